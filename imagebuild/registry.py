@@ -1,0 +1,216 @@
+"""A small OCI distribution client: manifest HEAD/GET/PUT, cross-repository blob mounts.
+
+httpx instead of the docker SDK because the plan asks the registry about many layer keys
+at once (one HEAD each, concurrently) without pulling anything, and because tagging a
+built image in another repository is a manifest copy, not a re-push.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import httpx
+
+MANIFEST_TYPES = ", ".join([
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+])
+
+
+class RegistryError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    registry: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "ImageRef":
+        name, digest = (text.split("@", 1) + [None])[:2] if "@" in text else (text, None)
+        registry, _, rest = name.partition("/")
+        if not rest or not ("." in registry or ":" in registry or registry == "localhost"):
+            raise ValueError(f"'{text}' does not name a registry host")
+        tag = None
+        if ":" in rest.rsplit("/", 1)[-1]:
+            rest, tag = rest.rsplit(":", 1)
+        return cls(registry, rest, tag, digest)
+
+    @property
+    def reference(self) -> str:
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        text = f"{self.registry}/{self.repository}"
+        if self.tag:
+            text += f":{self.tag}"
+        if self.digest:
+            text += f"@{self.digest}"
+        return text
+
+
+def _is_local(registry: str) -> bool:
+    host = registry.rsplit(":", 1)[0] if registry.count(":") == 1 else registry
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def base_url(registry: str, insecure: bool | None = None) -> str:
+    """Plain http for loopback registries (as the docker engine does), https elsewhere."""
+    plain = _is_local(registry) if insecure is None else insecure
+    return f"{'http' if plain else 'https'}://{registry}"
+
+
+def _basic(username: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode()
+
+
+class _TokenAuth(httpx.Auth):
+    """Anonymous or basic credentials, upgraded to a bearer token on a registry's challenge."""
+
+    requires_response_body = True
+
+    def __init__(self, username: str | None = None, password: str | None = None):
+        self.username, self.password = username, password
+        self._tokens: dict[str, str] = {}
+
+    def auth_flow(self, request: httpx.Request):
+        scope_key = request.url.host
+        if scope_key in self._tokens:
+            request.headers["Authorization"] = f"Bearer {self._tokens[scope_key]}"
+        response = yield request
+        if response.status_code != 401:
+            return
+        challenge = response.headers.get("www-authenticate", "")
+        if challenge.lower().startswith("basic") and self.username:
+            request.headers["Authorization"] = _basic(self.username, self.password or "")
+            yield request
+        elif challenge.lower().startswith("bearer"):
+            params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+            query = {k: v for k, v in params.items() if k in ("service", "scope")}
+            headers = {"Authorization": _basic(self.username, self.password or "")} if self.username else {}
+            token_response = yield httpx.Request("GET", params.get("realm", ""), params=query, headers=headers)
+            if token_response.status_code == 200:
+                body = token_response.json()
+                token = body.get("token") or body.get("access_token")
+                if token:
+                    self._tokens[scope_key] = token
+                    request.headers["Authorization"] = f"Bearer {token}"
+                    yield request
+
+
+class Registry:
+    """Synchronous client for one registry host."""
+
+    def __init__(self, registry: str, username: str | None = None, password: str | None = None,
+                 insecure: bool | None = None, timeout: float = 30.0):
+        self.registry = registry
+        self.url = base_url(registry, insecure)
+        self.client = httpx.Client(base_url=self.url, auth=_TokenAuth(username, password), timeout=timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "Registry":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            return self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise RegistryError(f"{self.registry}: {exc.__class__.__name__}: {exc}") from None
+
+    def ping(self) -> None:
+        response = self._request("GET", "/v2/")
+        if response.status_code not in (200, 401):
+            raise RegistryError(f"{self.registry}: /v2/ answered {response.status_code}")
+
+    def head_manifest(self, repository: str, reference: str) -> str | None:
+        """The manifest digest for a tag or digest, or None when absent."""
+        response = self._request("HEAD", f"/v2/{repository}/manifests/{reference}",
+                                 headers={"Accept": MANIFEST_TYPES})
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise RegistryError(f"{self.registry}/{repository}:{reference}: HEAD answered {response.status_code}")
+        return response.headers.get("docker-content-digest")
+
+    def get_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str]:
+        """(raw bytes, media type, digest)."""
+        response = self._request("GET", f"/v2/{repository}/manifests/{reference}",
+                                 headers={"Accept": MANIFEST_TYPES})
+        if response.status_code != 200:
+            raise RegistryError(f"{self.registry}/{repository}:{reference}: GET manifest answered {response.status_code}")
+        return (response.content, response.headers.get("content-type", ""),
+                response.headers.get("docker-content-digest", ""))
+
+    def get_blob(self, repository: str, digest: str) -> bytes:
+        response = self._request("GET", f"/v2/{repository}/blobs/{digest}", follow_redirects=True)
+        if response.status_code != 200:
+            raise RegistryError(f"{self.registry}/{repository}@{digest}: GET blob answered {response.status_code}")
+        return response.content
+
+    def mount_blob(self, repository: str, digest: str, source_repository: str) -> None:
+        """Make a blob of another repository on this registry available here, without copying."""
+        if self._request("HEAD", f"/v2/{repository}/blobs/{digest}").status_code == 200:
+            return
+        response = self._request("POST", f"/v2/{repository}/blobs/uploads/",
+                                 params={"mount": digest, "from": source_repository})
+        if response.status_code != 201:
+            raise RegistryError(f"{self.registry}: mounting {digest} from {source_repository} into "
+                                f"{repository} answered {response.status_code}")
+
+    def put_manifest(self, repository: str, reference: str, raw: bytes, media_type: str) -> str:
+        response = self._request("PUT", f"/v2/{repository}/manifests/{reference}", content=raw,
+                                 headers={"Content-Type": media_type})
+        if response.status_code not in (200, 201):
+            raise RegistryError(f"{self.registry}/{repository}:{reference}: PUT manifest answered "
+                                f"{response.status_code}: {response.text[:200]}")
+        return response.headers.get("docker-content-digest", "")
+
+    def copy_within(self, source_repository: str, digest: str, repository: str, tag: str) -> str:
+        """Tag `source@digest` as `repository:tag` on this registry (blobs are mounted, not copied)."""
+        raw, media_type, _ = self.get_manifest(source_repository, digest)
+        manifest = json.loads(raw)
+        if "manifests" in manifest:
+            raise RegistryError("copying multi-platform indexes is not supported yet")
+        for blob in [manifest["config"], *manifest.get("layers", [])]:
+            self.mount_blob(repository, blob["digest"], source_repository)
+        return self.put_manifest(repository, tag, raw, media_type)
+
+
+async def head_many(registry: str, refs: Iterable[tuple[str, str]], concurrency: int = 32,
+                    username: str | None = None, password: str | None = None,
+                    insecure: bool | None = None) -> dict[tuple[str, str], str | None]:
+    """HEAD many (repository, reference) pairs at once: one request each."""
+    refs = list(dict.fromkeys(refs))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base_url(registry, insecure), limits=limits, timeout=30.0,
+                                 auth=_TokenAuth(username, password)) as client:
+        async def one(repository: str, reference: str) -> str | None:
+            async with semaphore:
+                try:
+                    response = await client.head(f"/v2/{repository}/manifests/{reference}",
+                                                 headers={"Accept": MANIFEST_TYPES})
+                except httpx.HTTPError as exc:
+                    raise RegistryError(f"{registry}: {exc.__class__.__name__}: {exc}") from None
+            if response.status_code == 404:
+                return None
+            if response.status_code != 200:
+                raise RegistryError(f"{registry}/{repository}:{reference}: HEAD answered {response.status_code}")
+            return response.headers.get("docker-content-digest")
+
+        results = await asyncio.gather(*(one(repo, ref) for repo, ref in refs))
+    return dict(zip(refs, results))

