@@ -155,12 +155,13 @@ def resolve_roots(matrix: Matrix) -> dict[str, str]:
     return resolved
 
 
-def registry_plan(plan: Plan, variants: Iterable[Variant]) -> BuildReport:
+def registry_plan(plan: Plan, variants: Iterable[Variant], event_hooks: dict | None = None) -> BuildReport:
     """Ask the registry which layer keys exist: one HEAD per distinct layer, concurrently."""
     variants = list(variants)
     keys = list(dict.fromkeys(k for v in variants for k in v.chain))
     cache = ImageRef.parse(plan.cache_ref)
-    found = asyncio.run(head_many(cache.registry, [(cache.repository, plan.layers[k].cache_tag) for k in keys]))
+    found = asyncio.run(head_many(cache.registry, [(cache.repository, plan.layers[k].cache_tag) for k in keys],
+                                  event_hooks=event_hooks))
     layers = []
     for key in keys:
         layer = plan.layers[key]

@@ -125,6 +125,9 @@ class Combination:
     labels: tuple[tuple[str, str], ...] = ()
     origin: PathKey = ()  # where it came from, for error lines
     tags_origin: PathKey = ()  # the include entry's `tags`, when one gave this cell its tags
+    # Extra smoke tests an include entry adds (absolute paths). Tests, not image content:
+    # nothing in plan.py reads them, so they never change a layer's content key.
+    smoke: tuple[str, ...] = ()
 
     @property
     def axes(self) -> dict[str, str]:
@@ -149,6 +152,8 @@ class Matrix:
     extra_layers: tuple[ExtraLayer, ...]
     tags: dict[str, tuple[str, ...]]
     combinations: tuple[Combination, ...]
+    # Extra smoke tests by layer kind, extra layer name or 'all' (absolute paths); see SMOKE_ALL.
+    smoke: dict[str, tuple[str, ...]] = field(default_factory=dict)
     document: Document = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     @property
@@ -174,7 +179,8 @@ def _display(path: str | Path) -> str:
 
 TOP_LEVEL = ("schema", "name", "registry", "project", "repository", "cache_repository", "source",
              "labels", "secrets", "user", "setuid_allowlist", "os", "cuda", "matrix", "tags",
-             "layers", "extra_layers", "allow_unsupported")
+             "layers", "extra_layers", "allow_unsupported", "smoke")
+SMOKE_ALL = "all"  # the `smoke` key whose tests run in every variant
 
 
 class MatrixParser:
@@ -205,6 +211,7 @@ class MatrixParser:
         cuda_specs = self._cuda_catalog(top.get("cuda", {}), ("cuda",))
         layers = self._layers(top.get("layers", {}), ("layers",))
         extra = self._extra_layers(top.get("extra_layers", []), ("extra_layers",))
+        smoke = self._smoke(top.get("smoke", {}), ("smoke",), extra)
         tags = self._tags(top["tags"], ("tags",))
         allowed = self._allow_unsupported(top.get("allow_unsupported", []), ("allow_unsupported",))
         combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs)
@@ -213,7 +220,7 @@ class MatrixParser:
             file=self.doc.file, registry=registry, project=project, repository=repository,
             cache_repository=cache_repository, source=source, labels=labels, secrets=secrets,
             user=user, setuid_allowlist=allowlist, os=os_specs, cuda=cuda_specs, layers=layers,
-            extra_layers=extra, tags=tags, combinations=tuple(combos), document=self.doc,
+            extra_layers=extra, tags=tags, combinations=tuple(combos), smoke=smoke, document=self.doc,
         )
 
     # --- scalar kinds ---------------------------------------------------------------
@@ -449,6 +456,35 @@ class MatrixParser:
             out.append(ExtraLayer(name=name, settings=settings, when=tuple(conditions)))
         return tuple(out)
 
+    def _smoke(self, value: Any, path: PathKey, extra: tuple[ExtraLayer, ...]) -> dict[str, tuple[str, ...]]:
+        """`smoke: {<layer kind | extra layer name | all>: [paths]}`: extra smoke tests to run in
+        every variant whose chain has that layer (or in all variants)."""
+        spec = self.r.mapping(value, path, allowed=(SMOKE_ALL, *LAYER_KINDS, *(e.name for e in extra)))
+        return {kind: self._smoke_paths(paths, path + (kind,)) for kind, paths in spec.items()}
+
+    def _smoke_paths(self, value: Any, path: PathKey) -> tuple[str, ...]:
+        """Test files or folders relative to the matrix file; each must exist now, because a
+        missing one would otherwise surface only as 'no tests ran' inside an image."""
+        items = self.r.strings(value, path)
+        if not items:
+            raise self.r.error(path, "must list at least one test file or folder")
+        base = Path(self.doc.file).parent
+        out: list[str] = []
+        for i, item in enumerate(items):
+            if Path(item).is_absolute():
+                raise self.r.error(path + (i,), f"'{item}' must be relative to the matrix file")
+            target = (base / item).resolve()
+            if not target.exists():
+                raise self.r.error(path + (i,), f"'{item}' does not exist (looked for {target})")
+            if target.is_file() and target.suffix != ".py":
+                raise self.r.error(path + (i,), f"'{item}' is not a Python test file or a folder")
+            if not (target.is_file() or target.is_dir()):
+                raise self.r.error(path + (i,), f"'{item}' is not a file or a folder")
+            if str(target) in out:
+                raise self.r.error(path + (i,), f"'{item}' is listed twice")
+            out.append(str(target))
+        return tuple(out)
+
     def _tag_templates(self, value: Any, path: PathKey) -> tuple[str, ...]:
         items = self.r.strings(value, path)
         if not items:
@@ -540,7 +576,7 @@ class MatrixParser:
         added: list[_Cell] = []
         for i, entry in enumerate(self.r.sequence(matrix.get("include", []), path + ("include",))):
             p = path + ("include", i)
-            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels"))
+            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels", "smoke"))
             axis_part = {a: self._axis_value(a, entry[a], p + (a,), os_specs, cuda_specs)
                          for a in AXES if a in entry}
             extras: dict[str, Any] = {}
@@ -549,6 +585,8 @@ class MatrixParser:
                 extras["tags_origin"] = p + ("tags",)
             if "labels" in entry:
                 extras["labels"] = self._labels(entry["labels"], p + ("labels",))
+            if "smoke" in entry:
+                extras["smoke"] = self._smoke_paths(entry["smoke"], p + ("smoke",))
             # GitHub semantics: extend every original combination it does not contradict...
             matched = [c for c in combos if all(c.axes[a] == v for a, v in axis_part.items())]
             if matched:
@@ -570,7 +608,7 @@ class MatrixParser:
             Combination(os=c.axes["os"], cuda=c.axes["cuda"], python=c.axes["python"],
                         paddle=c.axes["paddle"], tags=c.extras.get("tags"),
                         labels=c.extras.get("labels", ()), origin=c.origin,
-                        tags_origin=c.extras.get("tags_origin", ()))
+                        tags_origin=c.extras.get("tags_origin", ()), smoke=c.extras.get("smoke", ()))
             for c in cells
         ]
 

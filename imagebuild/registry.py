@@ -192,13 +192,17 @@ class Registry:
 
 async def head_many(registry: str, refs: Iterable[tuple[str, str]], concurrency: int = 32,
                     username: str | None = None, password: str | None = None,
-                    insecure: bool | None = None) -> dict[tuple[str, str], str | None]:
-    """HEAD many (repository, reference) pairs at once: one request each."""
+                    insecure: bool | None = None,
+                    event_hooks: dict | None = None) -> dict[tuple[str, str], str | None]:
+    """HEAD many (repository, reference) pairs at once: one request each.
+
+    `event_hooks` are httpx's (e.g. to count requests in a benchmark).
+    """
     refs = list(dict.fromkeys(refs))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base_url(registry, insecure), limits=limits, timeout=30.0,
-                                 auth=_TokenAuth(username, password)) as client:
+                                 auth=_TokenAuth(username, password), event_hooks=event_hooks) as client:
         async def one(repository: str, reference: str) -> str | None:
             async with semaphore:
                 try:

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 TOOLS_DIR = Path(os.environ.get("IMAGEBUILD_TOOLS_DIR", "/opt/imagebuild-tools/bin"))
 REDACTED = "***"
@@ -86,7 +86,13 @@ class Runner:
         self._running: set[subprocess.Popen] = set()
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
-            env: dict[str, str] | None = None, timeout: float | None = None, cwd: Path | None = None) -> Result:
+            env: dict[str, str] | None = None, timeout: float | None = None, cwd: Path | None = None,
+            keep: Callable[[str], bool] | None = None) -> Result:
+        """Run `cmd`; its output, redacted, goes to `log` and the Result.
+
+        `keep` drops lines from both (a tool whose debug output we need a few lines of, like
+        Trivy's, would otherwise fill memory and disk with millions we do not).
+        """
         secrets = list(secrets)
         process = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    errors="replace", env={**os.environ, **(env or {})}, cwd=cwd,
@@ -97,6 +103,8 @@ class Runner:
         try:
             assert process.stdout is not None
             for line in process.stdout:
+                if keep is not None and not keep(line):
+                    continue
                 clean = redact(line, secrets)
                 chunks.append(clean)
                 if handle:

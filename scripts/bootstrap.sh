@@ -12,7 +12,7 @@ set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
-# shellcheck source=versions.env
+# shellcheck source-path=SCRIPTDIR source=versions.env
 source "$SCRIPT_DIR/versions.env"
 
 # Debian's client: it has BuildKit built in. /usr/local/bin/docker on the project's
@@ -57,11 +57,11 @@ start_daemon() {
     local name="$1" logfile="$2"; shift 2
     local pidfile="$RUN_DIR/$name.pid"
     rm -f "$pidfile"
+    # shellcheck disable=SC2016  # $$, $0 and $@ belong to the inner bash
     setsid bash -c 'echo $$ >"$0"; exec nohup "$@"' "$pidfile" "$@" \
         </dev/null >>"$logfile" 2>&1 9>&- &
     # wait until the child has written its pid
-    local i
-    for i in $(seq 1 50); do [ -s "$pidfile" ] && return 0; sleep 0.1; done
+    for _ in $(seq 1 50); do [ -s "$pidfile" ] && return 0; sleep 0.1; done
     die "$name did not record its pid in $pidfile"
 }
 
@@ -136,10 +136,16 @@ start_dockerd() {
         if pid_alive dockerd; then DOCKERD_STATUS="running"; else DOCKERD_STATUS="running (not started here)"; fi
         return
     fi
+    # A dockerd that was killed leaves /var/run/docker.pid behind, and dockerd refuses to
+    # start when that number now belongs to some other live process.
+    local old_pid
+    old_pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+    if [ -n "$old_pid" ] && [ "$(readlink "/proc/$old_pid/exe" 2>/dev/null)" != /usr/sbin/dockerd ]; then
+        rm -f /var/run/docker.pid
+    fi
     log "dockerd: starting (log: $LOG_DIR/dockerd.log)"
     start_daemon dockerd "$LOG_DIR/dockerd.log" /usr/sbin/dockerd
-    local i
-    for i in $(seq 1 60); do
+    for _ in $(seq 1 60); do
         "$DOCKER" info >/dev/null 2>&1 && { DOCKERD_STATUS="started"; return; }
         pid_alive dockerd || break
         sleep 1
@@ -220,7 +226,7 @@ EOF
 }
 
 start_registry() {
-    local name="$1" port="$2" status i
+    local name="$1" port="$2" status
     write_registry_config "$name" "$port"
     if [ "$CONFIG_CHANGED" -eq 1 ] && pid_alive "registry-$name"; then
         log "registry $name: config changed, restarting"
@@ -237,7 +243,7 @@ start_registry() {
     log "registry $name: starting on 127.0.0.1:$port"
     start_daemon "registry-$name" "$LOG_DIR/registry-$name.log" \
         /usr/bin/docker-registry serve "$STATE_DIR/registries/$name/config.yml"
-    for i in $(seq 1 60); do
+    for _ in $(seq 1 60); do
         if registry_answers "$port"; then
             summary "registry $name" "127.0.0.1:$port" "started"
             return
@@ -328,7 +334,7 @@ go_tool() {
         return
     fi
     find_go
-    log "$name: go install ${module}@${version} (cosign takes ~5 min on 2 cores)"
+    log "$name: go install ${module}@${version} (cosign: ~5 min on 2 cores)"
     if ! GOBIN="$TOOLS_DIR/bin" "$GO" install "${module}@${version}" >"$LOG_DIR/go-install-$name.log" 2>&1; then
         show_log_tail "$LOG_DIR/go-install-$name.log"
         die "go install ${module}@${version} failed"
@@ -377,6 +383,20 @@ install_tools() {
 # ---------------------------------------------------------------------------------------
 # 5. base image
 
+# The build host's /etc/hostname and /etc/resolv.conf would be copied into the rootfs;
+# they differ per machine and break reproducibility (docker supplies both at run time).
+# shellcheck disable=SC2016  # $1 is the rootfs path mmdebstrap passes to the hook
+ROOTFS_HOOK='rm -f "$1/etc/hostname" "$1/etc/resolv.conf"'
+
+# rootfs_tar: cache path, named after everything that shapes the rootfs, so a changed
+# recipe never reuses an old tar.
+rootfs_tar() {
+    local key
+    key="$(printf '%s|' "$BASE_SUITE" "$BASE_MIRROR" "$BASE_INCLUDE" "$BASE_SOURCE_DATE_EPOCH" \
+        "$ROOTFS_HOOK" | sha256sum | cut -c1-12)"
+    echo "$STATE_DIR/base/debian-$BASE_SUITE-$key.tar"
+}
+
 # make_rootfs TAR: a minimal Debian rootfs. SOURCE_DATE_EPOCH makes the tar the same
 # bytes for the same package set. The tar is kept as a cache: delete it to rebuild.
 make_rootfs() {
@@ -386,7 +406,8 @@ make_rootfs() {
     mkdir -p "$(dirname "$tar")"
     # --format=tar: mmdebstrap otherwise guesses the format from the file name.
     if ! SOURCE_DATE_EPOCH="$BASE_SOURCE_DATE_EPOCH" mmdebstrap --variant=minbase \
-            --format=tar --include="$BASE_INCLUDE" "$BASE_SUITE" "$tar.partial" "$BASE_MIRROR" \
+            --format=tar --include="$BASE_INCLUDE" --customize-hook="$ROOTFS_HOOK" \
+            "$BASE_SUITE" "$tar.partial" "$BASE_MIRROR" \
             >"$LOG_DIR/mmdebstrap.log" 2>&1; then
         rm -rf "$tar.partial"; show_log_tail "$LOG_DIR/mmdebstrap.log"; die "mmdebstrap failed"
     fi
@@ -406,7 +427,7 @@ build_base_image() {
     if "$DOCKER" image inspect "$ref" >/dev/null 2>&1; then
         status="re-pushed"
     else
-        tar="$STATE_DIR/base/debian-$BASE_TAG-rootfs.tar"
+        tar="$(rootfs_tar)"
         make_rootfs "$tar"
         log "base image: rootfs sha256 $(sha256sum "$tar" | cut -d' ' -f1)"
         "$DOCKER" import \
@@ -426,16 +447,18 @@ build_base_image() {
 # ---------------------------------------------------------------------------------------
 # 6. the Python package
 
-# choose_python: python3 from PATH, unless it is "externally managed" (PEP 668, e.g.
-# Debian's /usr/bin/python3 on a bare machine): then a venv under TOOLS_DIR.
+# choose_python: always the project's own venv under TOOLS_DIR, made from python3 (>= 3.10).
+# One interpreter on every machine: Debian's python3 is "externally managed" (PEP 668),
+# and scripts/test.sh and scripts/example.sh must run the same one bootstrap installed into.
 choose_python() {
-    PYTHON="$(command -v "${IMAGEBUILD_PYTHON:-python3}")" || die "no python3 found"
-    if "$PYTHON" -c 'import sys, sysconfig, os; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) or sys.prefix != sys.base_prefix)' 2>/dev/null; then
-        local venv="$TOOLS_DIR/venv"
-        "$venv/bin/python" -c '' 2>/dev/null || "$PYTHON" -m venv "$venv"
-        PYTHON="$venv/bin/python"
-        log "python: $(command -v python3) is externally managed; using the venv $venv"
+    local base venv="$TOOLS_DIR/venv"
+    base="$(command -v "${IMAGEBUILD_PYTHON:-python3}")" || die "no python3 found"
+    "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "$base is older than Python 3.10"
+    if ! "$venv/bin/python" -c '' 2>/dev/null; then
+        log "python: creating the venv $venv from $base"
+        "$base" -m venv "$venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
     fi
+    PYTHON="$venv/bin/python"
 }
 
 install_python_package() {
@@ -467,7 +490,7 @@ install_python_package() {
 # 7. report
 
 print_summary() {
-    local docker_ver row
+    local docker_ver row c v s
     docker_ver="$("$DOCKER" version --format '{{.Server.Version}}' 2>/dev/null || echo '?')"
     SUMMARY=("dockerd|$docker_ver (BuildKit ok, http push ok)|$DOCKERD_STATUS" "${SUMMARY[@]}")
     printf '\n%-18s %-52s %s\n' COMPONENT VERSION STATUS
@@ -478,7 +501,7 @@ print_summary() {
     printf '\nbase image digest: 127.0.0.1:%s/%s@%s\n' "$(staging_port)" "$BASE_REPO" "$BASE_DIGEST"
     case ":$USER_PATH:" in
         *":$TOOLS_DIR/bin:"*) ;;
-        *) printf 'add the tools to your PATH: export PATH=%s/bin:$PATH\n' "$TOOLS_DIR" ;;
+        *) printf 'add the tools to your PATH: export PATH=%s/bin:%sPATH\n' "$TOOLS_DIR" '$' ;;
     esac
     printf 'bootstrap finished in %ss\n' "$((SECONDS - STARTED_AT))"
 }

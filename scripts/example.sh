@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-export PATH="/opt/imagebuild-tools/bin:$PATH"
+# bootstrap installed the package into this venv; its python and imagebuild come first.
+export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 matrix=examples/local/matrix.yaml
 workdir=.imagebuild/example
 imagebuild validate --matrix "$matrix"

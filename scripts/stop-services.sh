@@ -7,7 +7,7 @@
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=versions.env
+# shellcheck source-path=SCRIPTDIR source=versions.env
 source "$SCRIPT_DIR/versions.env"
 
 log() { printf '[stop-services] %s\n' "$*"; }
@@ -24,7 +24,7 @@ daemon_exe() {
 
 # stop NAME GRACE_SECONDS: SIGTERM, wait, SIGKILL as a last resort.
 stop() {
-    local name="$1" grace="$2" pidfile="$RUN_DIR/$1.pid" pid exe i
+    local name="$1" grace="$2" pidfile="$RUN_DIR/$1.pid" pid exe
     exe="$(daemon_exe "$name")"
     if [ ! -s "$pidfile" ]; then
         log "$name: no pid file, not started by bootstrap; skipped"
@@ -37,7 +37,7 @@ stop() {
         return
     fi
     kill -TERM "$pid"
-    for i in $(seq 1 $((grace * 10))); do
+    for _ in $(seq 1 $((grace * 10))); do
         [ -d "/proc/$pid" ] || break
         sleep 0.1
     done

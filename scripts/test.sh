@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-export PATH="/opt/imagebuild-tools/bin:$PATH"
+# bootstrap installed the package into this venv; its python and imagebuild come first.
+export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 set +e
-python3 -m pytest "$@"
+python -m pytest "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
