@@ -126,13 +126,18 @@ class BuildOptions:
 
 
 def git_revision(cwd: Path) -> tuple[str, str]:
-    """(commit, its commit time in UTC) or ('unknown', epoch) outside git."""
+    """(commit, its commit time in UTC) or ('unknown', epoch) outside git.
+
+    SOURCE_DATE_EPOCH, the reproducible-builds convention, overrides the time.
+    """
     try:
         out = subprocess.run(["git", "log", "-1", "--format=%H %ct"], cwd=cwd, capture_output=True,
                              text=True, timeout=10, check=True).stdout.split()
         commit, seconds = out[0], int(out[1])
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return "unknown", "1970-01-01T00:00:00Z"
+        commit, seconds = "unknown", 0
+    if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
+        seconds = int(os.environ["SOURCE_DATE_EPOCH"])
     created = dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return commit, created
 

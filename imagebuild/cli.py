@@ -5,8 +5,11 @@ Exit codes: 0 success; 1 the work failed (drift found, a build or gate failed);
 """
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -17,11 +20,13 @@ from rich.table import Table
 
 from . import plan as planning
 from . import build as building
+from . import gate as gating
+from . import scan as scanning
 from .matrix import load_matrix
 from .progress import progress_for
 from .registry import RegistryError
 from .render import check_tree, write_tree
-from .source import InputError
+from .source import InputError, load_document
 from .tools import ToolMissing
 from .support import load_support_table, version_key
 
@@ -95,8 +100,9 @@ revision_option = click.option(
     "--revision", default=None, help="Source revision for the release labels (default: git HEAD).")
 
 
-def _revision(revision: str | None, matrix_path: Path) -> tuple[str, str]:
-    commit, created = building.git_revision(matrix_path.resolve().parent)
+def _revision(revision: str | None) -> tuple[str, str]:
+    """The checkout this runs in (like CI's), unless --revision / SOURCE_DATE_EPOCH say otherwise."""
+    commit, created = building.git_revision(Path.cwd())
     return (revision or commit), created
 
 
@@ -121,7 +127,7 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
       imagebuild plan --format github-matrix   # strategy.matrix for GitHub Actions
     """
     matrix = load_matrix(matrix_path)
-    rev, created = _revision(revision, matrix_path)
+    rev, created = _revision(revision)
     if use_registry:
         the_plan = building.prepare(matrix, rev, created)
         report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only))
@@ -290,7 +296,7 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
       imagebuild build --dry-run --format json     # what would be built
     """
     matrix = load_matrix(matrix_path)
-    rev, created = _revision(revision, matrix_path)
+    rev, created = _revision(revision)
     the_plan = building.prepare(matrix, rev, created)
     variants = planning.variant_selector(the_plan, only)
     if not variants:
@@ -386,6 +392,324 @@ def support(output_format: str) -> None:
     for cuda in sorted(table_data.driver_minimum, key=version_key):
         drivers.add_row(cuda, table_data.driver_minimum[cuda])
     stdout.print(drivers)
+
+
+# --- scan and gate: Trivy over the built images, the vulnerability policy ------------------------
+
+workdir_option = click.option(
+    "--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
+    show_default=True, help="Where the build report is; scan/ and gate/ results go beside it.")
+
+
+@cli.command()
+@workdir_option
+@only_option
+@click.option("--dockerfiles", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Rendered Dockerfiles for `trivy config` (default: dockerfiles/ beside the report's matrix).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=scanning.DEFAULT_CACHE,
+              show_default=True, help="Trivy's cache, shared by every scan so that a layer is analysed once; "
+                                      "CACHE_DIR/db holds the vulnerability DB.")
+@click.option("--offline", is_flag=True,
+              help="Download nothing: use the DB already in CACHE_DIR/db and no network lookups.")
+@click.option("--db-repository", metavar="REF", default=None,
+              help="OCI repository of your Trivy DB mirror, e.g. registry.example.com/mirror/trivy-db:2.")
+@click.option("--insecure-registry", "insecure_registries", multiple=True, metavar="HOST:PORT",
+              help="Reach this registry over plain http too (loopback registries always are).")
+@click.option("--timeout", default="30m", show_default=True, help="Trivy's time limit per image.")
+@format_option("table", "json")
+@reports_input_errors
+def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_dir: Path, offline: bool,
+         db_repository: str | None, insecure_registries: tuple[str, ...], timeout: str, output_format: str) -> None:
+    """Scan every built image of the build report, by digest, with Trivy.
+
+    Vulnerabilities and secrets per image, `trivy config` on the rendered Dockerfiles, and a
+    CycloneDX SBOM per image. Reports go to WORKDIR/scan/; each variant's result is recorded in
+    the build report. Exit 1 when a scan could not run; findings are the gate's business.
+
+    \b
+    Examples:
+      imagebuild scan                                    # after imagebuild build
+      imagebuild scan --db-repository registry.example.com/mirror/trivy-db:2
+      imagebuild scan --offline --cache-dir /srv/trivy   # a DB already in /srv/trivy/db
+      imagebuild scan --only device=cpu --format json
+    """
+    if offline and db_repository:
+        raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
+    report_path = workdir / "build-report.json"
+    report = building.BuildReport.read(report_path)
+    variants = scanning.select(report, only)
+    if not variants:
+        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    options = scanning.ScanOptions(
+        workdir=workdir, dockerfiles=dockerfiles or Path(report.matrix).parent / "dockerfiles",
+        cache_dir=cache_dir, offline=offline, db_repository=db_repository, timeout=timeout,
+        insecure_registries=insecure_registries)
+    trivy = scanning.Trivy.find()
+
+    def progress(event: str, variant: building.VariantRecord, record: dict) -> None:
+        if event == "start":
+            click.echo(f"scanning {variant.id} ({variant.image})", err=True)
+        else:
+            error = f": {record['error']}" if record.get("error") else ""
+            click.echo(f"  {record['status']} in {record.get('duration_s')} s{_layers_note(record.get('layers'))}"
+                       f"{error}", err=True)
+
+    run = scanning.ScanRun(report, report_path, options, trivy, on_event=progress)
+    try:
+        summary = run.run(variants)
+    except KeyboardInterrupt:
+        trivy.runner.stop_all()
+        click.echo("interrupted: running scans stopped", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if output_format == "json":
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        print_scan_summary(summary, workdir)
+    if any(row["status"] == "failed" for row in summary["variants"]):
+        sys.exit(EXIT_FAILED)
+
+
+def _layers_note(layers: dict | None) -> str:
+    if not layers:
+        return ""
+    if layers.get("reused") is None:
+        return f"; {layers['total']} layers (reuse not reported by Trivy)"
+    return f"; layers: {layers['reused']} of {layers['total']} from Trivy's cache"
+
+
+def print_scan_summary(summary: dict, workdir: Path) -> None:
+    for row in summary["variants"]:
+        c = row.get("counts") or {}
+        vulns = c.get("vulnerabilities", {})
+        misconf = c.get("misconfigurations", {})
+        found = (f"vulnerabilities C{vulns.get('CRITICAL', 0)} H{vulns.get('HIGH', 0)} M{vulns.get('MEDIUM', 0)} "
+                 f"L{vulns.get('LOW', 0)}, secrets {c.get('secrets', 0)}, Dockerfile checks failed "
+                 f"{sum(misconf.values())}") if c else (row.get("error") or "")
+        click.echo(f"  {row['status']:8} {row['id']}  {found}{_layers_note(row.get('layers'))}")
+    layers = summary["layers"]
+    click.echo(f"layers: {layers['reused']} of {layers['total']} reused from Trivy's cache, {layers['analysed']} "
+               f"analysed ({summary['cache_dir']})")
+    db = summary["db"]
+    click.echo(f"vulnerability DB: updated {db['updated_at']} ({db['source']}); reports: {workdir / 'scan'}; "
+               f"{summary['duration_s']} s")
+
+
+@cli.command("gate")
+@workdir_option
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("policies/vulnerabilities.yaml"), show_default=True, help="The vulnerability policy.")
+@only_option
+@click.option("--strict", is_flag=True, help="Fail on stale exceptions (that match no finding) too.")
+@format_option("table", "json", "sarif")
+@reports_input_errors
+def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict: bool, output_format: str) -> None:
+    """Judge the scanned images against the vulnerability policy; record the verdict per variant.
+
+    Blocks on findings at or above the policy's severity without a valid exception, expired
+    exceptions, secrets, and HIGH/CRITICAL Dockerfile misconfigurations; stale exceptions warn
+    (fail with --strict). Writes WORKDIR/gate/result.json and result.sarif. Exit 1 when blocked.
+
+    \b
+    Examples:
+      imagebuild gate                                   # after imagebuild scan
+      imagebuild gate --strict --format sarif > gate.sarif
+      imagebuild gate --policy policies/vulnerabilities.yaml --format json
+    """
+    policy = gating.parse_policy(load_document(policy_path))  # malformed: one line, exit 2, nothing written
+    report_path = workdir / "build-report.json"
+    report = building.BuildReport.read(report_path)
+    variants = scanning.select(report, only)
+    if not variants:
+        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    scans = scanning.image_scans(report, report_path, variants)
+    result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    for variant, verdict in zip(variants, result.images):
+        variant.stages["gate"] = gating.stage_record(verdict, result)
+    report.write(report_path)
+    locations, root = _sarif_locations(variants)
+    sarif = gating.to_sarif(result, tool_version=_version(), locations=locations, dockerfiles_root=root)
+    record = gating.to_json(result)
+    out = workdir / "gate"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (out / "result.sarif").write_text(json.dumps(sarif, indent=2) + "\n", encoding="utf-8")
+    if output_format == "json":
+        click.echo(json.dumps(record, indent=2))
+    elif output_format == "sarif":
+        click.echo(json.dumps(sarif, indent=2))
+    else:
+        print_gate(result)
+    if not result.passed:
+        sys.exit(EXIT_FAILED)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("imagebuild")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _sarif_locations(variants: list[building.VariantRecord]) -> tuple[dict[str, str], str]:
+    """Each variant's release Dockerfile, relative to here when it can be: code scanning wants repository paths."""
+    locations, root = {}, ""
+    for v in variants:
+        record = v.stages.get("scan") or {}
+        if not record.get("dockerfiles"):
+            continue
+        base = Path(record.get("dockerfiles_root", ""))
+        try:
+            base = base.resolve().relative_to(Path.cwd())
+        except ValueError:
+            pass
+        root = str(base)
+        locations[v.id] = f"{base}/{record['dockerfiles'][-1]}"
+    return locations, root
+
+
+def print_gate(result: gating.GateResult) -> None:
+    for image in result.images:
+        click.echo(f"{'PASSED ' if image.passed else 'BLOCKED'}  {image.variant}  {image.image}")
+        rows = []
+        for d in image.blocking + image.excepted:
+            f = d.finding
+            what = (f"{f.package} {f.installed}" if f.kind == "vulnerability" else f.subject())
+            fixed = (f"fixed in {f.fixed}" if f.fixed else "no fix") if f.kind == "vulnerability" else f.kind
+            rows.append(["blocks" if d.verdict == gating.BLOCKED else "excepted", f.id, f.severity, what, fixed, d.why])
+        widths = [max((len(r[i]) for r in rows), default=0) for i in range(5)]
+        for r in rows:
+            click.echo("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:5])) + f"  {r[5]}")
+        for problem in image.problems:
+            click.echo(f"  problem  {problem}")
+        for warning in image.warnings:
+            click.echo(f"  warning  {warning}")
+        counts = image.counts()
+        click.echo(f"  {counts[gating.BLOCKED]} blocking, {counts[gating.EXCEPTED]} excepted, "
+                   f"{counts[gating.IGNORED_UNFIXED]} ignored (no fix yet), "
+                   f"{counts[gating.BELOW_THRESHOLD]} below the threshold")
+    blocked = sum(not image.passed for image in result.images)
+    verdict = "passed" if result.passed else f"failed: {blocked} of {len(result.images)} image(s) blocked"
+    click.echo(f"gate {verdict} (policy {result.policy.file}: severity {result.policy.severity}, ignore_unfixed "
+               f"{'on' if result.policy.ignore_unfixed else 'off'}{', strict' if result.strict else ''})")
+
+
+
+# --- imagebuild test: smoke tests inside the images (imagebuild/smoke.py) -------------------------
+# Kept in one block on purpose: the command's logic lives in smoke.py; this only parses and prints.
+
+
+@cli.command("test")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path(".imagebuild/build-report.json"), show_default=True,
+              help="Test every built variant of this build report, and record the results in it.")
+@click.option("--image", "images", multiple=True, metavar="REF",
+              help="Test this image instead (expectations from its labels, or --matrix); repeatable.")
+@click.option("--matrix", "matrix_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The matrix the images were built from (default: the one the report names).")
+@click.option("--only", multiple=True, metavar="SELECTOR",
+              help="Variant id, or device=, paddle=, python=, cuda=, cudnn=; repeatable.")
+@click.option("--tier", type=click.Choice(["all", "abi", "gpu"]), default="all", show_default=True,
+              help="abi runs anywhere; gpu needs a GPU and is skipped, with its reason, without one.")
+@click.option("--gpus", type=click.Choice(["auto", "all", "none"]), default="auto", show_default=True,
+              help="Request the host's GPUs for GPU variants: auto = when this host has an NVIDIA GPU.")
+@click.option("--timeout", "timeout_s", type=click.IntRange(10, 86400), default=900, show_default=True,
+              help="Seconds per image; the container is killed after that.")
+@click.option("--memory", default="8g", show_default=True, help="Memory limit per container.")
+@click.option("--cpus", type=click.FloatRange(0.1, 1024), default=None,
+              help="CPU limit per container (default: 4, or this host's count if fewer).")
+@click.option("--pids-limit", type=click.IntRange(64, 1 << 22), default=4096, show_default=True,
+              help="Process/thread limit per container.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="JUnit XML, logs and expectations per image (default: smoke/ beside the report).")
+@click.option("--harness", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="A prepared pytest folder (first/ and last/) for hosts without PyPI (default: "
+                   "installed with pip once, cached in OUT).")
+@click.option("--force", is_flag=True, help="Run again where the same image already passed the same suite.")
+@format_option("table", "json")
+@reports_input_errors
+def test_command(report_path: Path, images: tuple[str, ...], matrix_path: Path | None, only: tuple[str, ...],
+                 tier: str, gpus: str, timeout_s: int, memory: str, cpus: float | None, pids_limit: int,
+                 out: Path | None, harness: Path | None, force: bool, output_format: str) -> None:
+    """Run the smoke tests (smoke_tests/) inside each image: the abi tier anywhere, the gpu tier on GPU hosts.
+
+    Each image runs as its own non-root user with the network off, resource limits, a read-only
+    root file system and a timeout. JUnit XML per image goes to OUT/<variant>/results/junit.xml;
+    with a report, each variant's result goes into it (stages.smoke), and sign/push refuse
+    variants whose smoke tests did not pass. Exit 1 when any image fails.
+
+    \b
+    Examples:
+      imagebuild test                                   # every variant of .imagebuild/build-report.json
+      imagebuild test --report out/build-report.json --only device=gpu
+      imagebuild test --image 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
+      imagebuild test --tier abi --format json
+    """
+    from . import smoke
+
+    if images and only:
+        raise InputError("--only", None, "", "selects variants of a report; it does not apply to --image")
+    if not re.fullmatch(r"\d+[bkmg]?", memory.lower()):
+        raise InputError("--memory", None, "", f"'{memory}' is not a size like 8g or 512m")
+    out = out or (Path(".imagebuild/smoke") if images else report_path.parent / "smoke")
+    options = smoke.RunOptions(timeout_s=timeout_s, memory=memory, cpus=cpus or min(4.0, float(os.cpu_count() or 1)),
+                               pids_limit=pids_limit, tier=tier, gpus=gpus, force=force)
+
+    def make_runner() -> smoke.SmokeRunner:  # called once the input checked out
+        runner = smoke.SmokeRunner(smoke.docker_client(), options, out,
+                                   harness or smoke.ensure_harness(out / ".harness"))
+        click.echo(f"smoke tests: tier {tier}; GPUs: "
+                   f"{'requested for GPU variants' if runner.gpu_host else 'none on this host'}", err=True)
+        return runner
+
+    def progress(result: smoke.SmokeResult) -> None:
+        click.echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
+
+    try:
+        if images:
+            results = smoke.run_images(images, matrix_path, make_runner, progress)
+        else:
+            results = smoke.run_report(report_path, matrix_path, only, make_runner, progress)
+    except KeyboardInterrupt:
+        click.echo("interrupted: the running container was removed", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    print_smoke_results(results, None if images else report_path, output_format)
+    if any(r.status != "passed" for r in results):
+        sys.exit(EXIT_FAILED)
+
+
+def _smoke_counts(r: Any) -> str:
+    s = r.summary
+    timing = f", {r.duration_s:.1f} s" if r.duration_s is not None else ""
+    return (f"{s.passed} passed, {s.failed + s.errors} failed, {s.skipped} skipped{timing}"
+            + (", reused" if r.reused else ""))
+
+
+def print_smoke_results(results: list[Any], report_path: Path | None, output_format: str) -> None:
+    if output_format == "json":
+        click.echo(json.dumps({
+            "report": str(report_path) if report_path else None,
+            "status": "passed" if all(r.status == "passed" for r in results) else "failed",
+            "results": [{"name": r.name, "variant": r.variant, "reused": r.reused, **r.stage()} for r in results],
+        }, indent=2))
+        return
+    for r in results:
+        click.echo(f"{r.status.upper() if r.status != 'passed' else r.status:8} {r.name}  ({_smoke_counts(r)})")
+        for failure in r.summary.failures:
+            click.echo(f"    FAILED {failure['test']}: {failure['message']}")
+        if r.status != "passed" and r.reason and not r.summary.failures:
+            click.echo(f"    {r.reason}")
+        reasons: dict[str, int] = {}
+        for skip in r.summary.skip_reasons:
+            reasons[skip["reason"]] = reasons.get(skip["reason"], 0) + 1
+        for reason, count in reasons.items():
+            click.echo(f"    skipped ({count}): {reason}")
+        if r.junit:
+            click.echo(f"    junit: {r.junit}")
+    passed = sum(r.status == "passed" for r in results)
+    click.echo(f"{passed} of {len(results)} image(s) passed" + (f"; report: {report_path}" if report_path else ""))
+
+# --- end of imagebuild test ------------------------------------------------------------------------
 
 
 def main() -> None:

@@ -215,6 +215,7 @@ class MatrixParser:
         tags = self._tags(top["tags"], ("tags",))
         allowed = self._allow_unsupported(top.get("allow_unsupported", []), ("allow_unsupported",))
         combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs)
+        self._check_extra_layers_apply(extra, combos)
         self._check_support(combos, cuda_specs, allowed)
         return Matrix(
             file=self.doc.file, registry=registry, project=project, repository=repository,
@@ -261,7 +262,7 @@ class MatrixParser:
     def _python(self, value: Any, path: PathKey) -> str:
         text = self.r.string(value, path)
         if not _PYTHON.match(text):
-            raise self.r.error(path, f"'{text}' is not a Python version like 3.11 (quote it: '3.10' reads as 3.1 otherwise)")
+            raise self.r.error(path, f"'{text}' is not a Python version like 3.11")
         return text
 
     # --- sections -------------------------------------------------------------------
@@ -611,6 +612,13 @@ class MatrixParser:
                         tags_origin=c.extras.get("tags_origin", ()), smoke=c.extras.get("smoke", ()))
             for c in cells
         ]
+
+    def _check_extra_layers_apply(self, extra: tuple[ExtraLayer, ...], combos: list[Combination]) -> None:
+        """Like an exclude that excludes nothing, a `when` that matches no variant is a mistake."""
+        for i, layer in enumerate(extra):
+            if not any(layer.applies_to(c.axes) for c in combos):
+                raise self.r.error(("extra_layers", i, "when"),
+                                   f"extra layer '{layer.name}' applies to no variant of the matrix")
 
     def _check_support(self, combos: list[Combination], cuda_specs: dict[str, CudaSpec],
                        allowed: list[tuple[dict[str, str], PathKey]]) -> None:

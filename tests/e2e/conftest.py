@@ -116,3 +116,80 @@ def fresh_repository():
     """A repository name of its own, so a test's release tags never touch the example's."""
     return unique("e2e")
 
+
+
+# --- scanning (imagebuild scan / gate): the fixture vulnerability DB and one scan of the example ---------
+
+
+@pytest.fixture(scope="session")
+def trivy_db(tmp_path_factory) -> Path:
+    """A folder holding db/trivy.db and db/metadata.json, built with Go from tests/fixtures/trivydb."""
+    from .trivydb import FixtureError, build_fixture_db
+
+    try:
+        return build_fixture_db(tmp_path_factory.mktemp("trivy-db"))
+    except FixtureError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def trivy_cache_with_db(trivy_db: Path, target: Path) -> Path:
+    """A fresh Trivy cache dir (no layer analysed yet) holding a copy of the fixture DB."""
+    import shutil
+
+    shutil.copytree(trivy_db / "db", target / "db")
+    return target
+
+
+@pytest.fixture(scope="session")
+def trivy() -> str:
+    from imagebuild.scan import Trivy
+    from imagebuild.tools import ToolMissing
+
+    try:
+        return Trivy.find().path
+    except ToolMissing as exc:
+        pytest.fail(f"{exc}; run scripts/bootstrap.sh", pytrace=False)
+
+
+@dataclass
+class ScannedExample:
+    workdir: Path  # holds build-report.json (with stages["scan"]) and scan/
+    cache_dir: Path  # Trivy's cache: the fixture DB and every layer analysed so far
+    run: Run
+    seconds: float
+
+    @property
+    def report(self) -> dict:
+        return json.loads((self.workdir / "build-report.json").read_text())
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.workdir / "scan" / "summary.json").read_text())
+
+    def copy(self, target: Path) -> Path:
+        """A workdir of a test's own (its gate verdicts must not leak into other tests)."""
+        import shutil
+
+        shutil.copytree(self.workdir, target)
+        return target
+
+
+def scan_workdir(workdir: Path, cache_dir: Path) -> Run:
+    return imagebuild("scan", "--workdir", str(workdir), "--cache-dir", str(cache_dir), "--offline",
+                      "--dockerfiles", str(EXAMPLE.parent / "dockerfiles"), "--format", "json")
+
+
+@pytest.fixture(scope="session")
+def scanned_example(built_example, trivy, trivy_db, tmp_path_factory) -> ScannedExample:
+    """The example's images scanned once, with a cold cache, against the fixture DB."""
+    import shutil
+    import time
+
+    workdir = tmp_path_factory.mktemp("example-scan")
+    shutil.copy(built_example.workdir / "build-report.json", workdir / "build-report.json")
+    cache_dir = trivy_cache_with_db(trivy_db, tmp_path_factory.mktemp("trivy-cache"))
+    started = time.monotonic()
+    run = scan_workdir(workdir, cache_dir)
+    seconds = time.monotonic() - started
+    assert run.returncode == 0, f"imagebuild scan failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return ScannedExample(workdir, cache_dir, run, seconds)

@@ -237,8 +237,13 @@ def test_build_secrets_are_in_no_layer_config_log_or_report(engine, built_exampl
     assert secret_canary["password"] not in run.stdout + run.stderr
 
 
-def test_a_docker_cli_without_buildkit_is_refused_with_a_way_out(tmp_path):
-    run = imagebuild("build", "--matrix", str(EXAMPLE), "--workdir", str(tmp_path),
+def test_a_docker_cli_without_buildkit_is_refused_with_a_way_out(tmp_path, fresh_repository):
+    def add_a_layer_to_build(data):
+        data["repository"] = fresh_repository
+        data["extra_layers"] = [{"name": "new", "run": [f"echo {uuid.uuid4().hex}"]}]
+
+    matrix = copy_matrix(tmp_path, add_a_layer_to_build)
+    run = imagebuild("build", "--matrix", str(matrix), "--workdir", str(tmp_path / "w"),
                      env={"IMAGEBUILD_DOCKER": "/bin/false"})
     assert run.returncode == 3
     assert "BuildKit" in run.stderr and "docker.io" in run.stderr

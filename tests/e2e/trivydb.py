@@ -1,0 +1,68 @@
+"""The fixture vulnerability DB: built with Trivy's own Go package from tests/fixtures/trivydb.
+
+These machines cannot download Trivy's DB, so the e2e tests and the scan benchmark build a
+small one: `go build` (modules through the Go module proxy, pinned by go.mod and go.sum;
+binary and build cache in tests/fixtures/trivydb/_build/, which git ignores), then the
+program writes DIR/db/trivy.db and DIR/db/metadata.json, so that `trivy --cache-dir DIR
+--skip-db-update --offline-scan` reads it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parents[1] / "fixtures" / "trivydb"
+BUILD = SOURCE / "_build"
+
+# Advisories the program writes (see main.go for where each fixed version comes from).
+EXPAT = {"id": "CVE-2024-28757", "package": "libexpat1", "source": "expat", "fixed": "2.5.0-1+deb12u4",
+         "severity": "HIGH"}
+PAM = {"id": "CVE-2024-22365", "package": "libpam0g", "source": "pam", "fixed": "1.5.2-6+deb12u3",
+       "severity": "MEDIUM"}
+ZLIB = {"id": "CVE-2023-45853", "package": "zlib1g", "source": "zlib", "fixed": "", "severity": "CRITICAL",
+        "status": "will_not_fix"}
+PIP = {"id": "CVE-2023-5752", "package": "pip", "fixed": "23.3", "severity": "MEDIUM"}
+
+
+class FixtureError(Exception):
+    """The fixture DB could not be built; the message says why and what to do."""
+
+
+def find_go() -> str:
+    for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise FixtureError("Go is not installed (looked for $GO, go on PATH and /usr/local/go/bin/go): the e2e tests "
+                       "build their Trivy vulnerability DB with Go (tests/fixtures/trivydb). Install Go >= 1.24 at "
+                       "/usr/local/go, as scripts/bootstrap.sh expects.")
+
+
+def build_program() -> Path:
+    """go build the fixture program (incremental after the first time)."""
+    go = find_go()
+    BUILD.mkdir(exist_ok=True)
+    binary = BUILD / "trivydb"
+    # GOTOOLCHAIN=local: never download another Go; -mod=readonly: go.sum must already pin everything;
+    # -buildvcs=false: no git stamping (a CI clone may be shallow or owned by another user).
+    env = {**os.environ, "GOCACHE": str(BUILD / "gocache"), "GOTOOLCHAIN": "local",
+           "GOFLAGS": "-mod=readonly -buildvcs=false"}
+    proc = subprocess.run([go, "build", "-trimpath", "-o", str(binary), "."], cwd=SOURCE, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise FixtureError(f"go build in {SOURCE} failed (the Go module proxy must be reachable the first time):\n"
+                           f"{proc.stderr[-3000:]}")
+    return binary
+
+
+def build_fixture_db(cache_dir: Path) -> Path:
+    """Write the fixture DB into CACHE_DIR/db; returns CACHE_DIR."""
+    binary = build_program()
+    proc = subprocess.run([str(binary), "-out", str(cache_dir / "db")], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise FixtureError(f"{binary} failed: {proc.stderr[-2000:]}")
+    for name in ("trivy.db", "metadata.json"):
+        if not (cache_dir / "db" / name).is_file():
+            raise FixtureError(f"{binary} wrote no {name} into {cache_dir / 'db'}")
+    return cache_dir
