@@ -13,10 +13,10 @@ median exceeds --target seconds or when any run sent more than one request per l
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 import sys
 import tempfile
 import time
@@ -56,17 +56,14 @@ def seed(registry: str, repository: str, tags: list[str]) -> None:
                            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                                       "digest": config_digest, "size": len(config)}}).encode()
 
-    async def put_all() -> None:
-        semaphore = asyncio.Semaphore(32)
-        async with httpx.AsyncClient(base_url=f"http://{registry}", timeout=30) as client:
-            async def put(tag: str) -> None:
-                async with semaphore:
-                    response = await client.put(f"/v2/{repository}/manifests/{tag}", content=manifest,
-                                                headers={"Content-Type": MANIFEST})
-                    response.raise_for_status()
-            await asyncio.gather(*(put(t) for t in tags))
+    with httpx.Client(base_url=f"http://{registry}", timeout=30,
+                      limits=httpx.Limits(max_connections=16, max_keepalive_connections=16)) as client:
+        def put(tag: str) -> None:
+            client.put(f"/v2/{repository}/manifests/{tag}", content=manifest,
+                       headers={"Content-Type": MANIFEST}).raise_for_status()
 
-    asyncio.run(put_all())
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(put, tags))
 
 
 def main() -> int:
@@ -86,27 +83,35 @@ def main() -> int:
         seed(args.registry, cache_repository, [layer.cache_tag for layer in plan.layers.values()])
         print(f"seeded {len(plan.layers)} layer tags in {time.perf_counter() - t0:.1f}s")
 
-        times, requests = [], []
-        for _ in range(args.runs):
-            count = [0]
+        results = {}
+        for label, resolve in (("plan --registry", False), ("build's plan (+ digests)", True)):
+            times, requests = [], []
+            for _ in range(args.runs):
+                count = [0]
 
-            async def counted(request: httpx.Request) -> None:
-                count[0] += 1
+                def counted(request: httpx.Request) -> None:
+                    count[0] += 1
 
-            start = time.perf_counter()
-            replanned = build_plan(load_matrix(path))
-            report = registry_plan(replanned, replanned.variants, event_hooks={"request": [counted]})
-            times.append(time.perf_counter() - start)
-            requests.append(count[0])
-            to_build = sum(rec.status == "to-build" for rec in report.layers)
-            assert to_build == 0, f"{to_build} layers missing from the seeded registry"
+                start = time.perf_counter()
+                replanned = build_plan(load_matrix(path))
+                report = registry_plan(replanned, replanned.variants, resolve_digests=resolve,
+                                       event_hooks={"request": [counted]})
+                times.append(time.perf_counter() - start)
+                requests.append(count[0])
+                to_build = sum(rec.status == "to-build" for rec in report.layers)
+                assert to_build == 0, f"{to_build} layers missing from the seeded registry"
+            results[label] = (times, requests)
 
-    median = statistics.median(times)
     print(f"variants: {len(plan.variants)}  distinct layers: {len(plan.layers)}")
-    print(f"replan wall time: min {min(times):.3f}s  median {median:.3f}s  max {max(times):.3f}s")
-    print(f"registry requests per run: {sorted(set(requests))} (at most {len(plan.layers)} allowed)")
-    ok = median <= args.target and max(requests) <= len(plan.layers)
-    print("OK" if ok else f"FAILED: target {args.target}s, one request per layer")
+    ok = True
+    for label, (times, requests) in results.items():
+        median = statistics.median(times)
+        print(f"{label:26} wall min {min(times):.3f}s  median {median:.3f}s  max {max(times):.3f}s  "
+              f"requests {max(requests)}")
+        ok &= max(requests) <= len(plan.layers)
+    median = statistics.median(results["plan --registry"][0])
+    ok &= median <= args.target
+    print("OK" if ok else f"FAILED: target {args.target}s for plan --registry, at most one request per layer")
     return 0 if ok else 1
 
 

@@ -6,7 +6,6 @@ A variant gets its release tags only once its whole chain is in the registry.
 """
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import os
@@ -160,20 +159,34 @@ def resolve_roots(matrix: Matrix) -> dict[str, str]:
     return resolved
 
 
-def registry_plan(plan: Plan, variants: Iterable[Variant], event_hooks: dict | None = None) -> BuildReport:
-    """Ask the registry which layer keys exist: one HEAD per distinct layer, concurrently."""
+def registry_plan(plan: Plan, variants: Iterable[Variant], resolve_digests: bool = True,
+                  event_hooks: dict | None = None) -> BuildReport:
+    """Which layer keys does the cache repository hold already?
+
+    A build needs each layer's digest: one HEAD per distinct layer, concurrently. A plan
+    needs only existence, which one tags/list request answers for every layer at once.
+    """
     variants = list(variants)
     keys = list(dict.fromkeys(k for v in variants for k in v.chain))
     cache = ImageRef.parse(plan.cache_ref)
-    found = asyncio.run(head_many(cache.registry, [(cache.repository, plan.layers[k].cache_tag) for k in keys],
-                                  event_hooks=event_hooks))
+    found: dict[tuple[str, str], str | None] = {}
+    if resolve_digests:
+        found = head_many(cache.registry, [(cache.repository, plan.layers[k].cache_tag) for k in keys],
+                          event_hooks=event_hooks)
+        existing = {tag for (_, tag), digest in found.items() if digest}
+    else:
+        with Registry(cache.registry) as registry:
+            if event_hooks:
+                registry.client.event_hooks = event_hooks
+            existing = registry.list_tags(cache.repository)
     layers = []
     for key in keys:
         layer = plan.layers[key]
-        digest = found[(cache.repository, layer.cache_tag)]
+        exists = layer.cache_tag in existing
+        digest = found.get((cache.repository, layer.cache_tag))
         layers.append(LayerRecord(key=key, kind=layer.kind, path=layer.path,
                                   image=f"{plan.cache_ref}:{layer.cache_tag}",
-                                  status="reused" if digest else "to-build", digest=digest))
+                                  status="reused" if exists else "to-build", digest=digest))
     records = [
         VariantRecord(id=v.id, tags=list(v.tags), images=[f"{plan.repository_ref}:{t}" for t in v.tags],
                       chain=list(v.chain), device=v.device, paddle=v.paddle, python=v.python,

@@ -130,7 +130,8 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
     rev, created = _revision(revision)
     if use_registry:
         the_plan = building.prepare(matrix, rev, created)
-        report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only))
+        report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only),
+                                        resolve_digests=output_format != "table")
         if output_format == "table":
             print_registry_plan(the_plan, report)
         else:
@@ -156,10 +157,10 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
 
 def print_registry_plan(the_plan: planning.Plan, report: building.BuildReport) -> None:
     table = Table(title=f"{the_plan.cache_ref}: layers for {len(report.variants)} variant(s)")
-    for column in ("layer", "key", "status", "digest"):
+    for column in ("layer", "key", "status"):
         table.add_column(column)
     for rec in report.layers:
-        table.add_row(rec.path, rec.key[:12], rec.status, (rec.digest or "")[:19])
+        table.add_row(rec.path, rec.key[:12], rec.status)
     stdout.print(table)
     to_build = sum(r.status == "to-build" for r in report.layers)
     reused = sum(r.status == "reused" for r in report.layers)
@@ -596,7 +597,8 @@ def print_gate(result: gating.GateResult) -> None:
 
 
 # --- imagebuild test: smoke tests inside the images (imagebuild/smoke.py) -------------------------
-# Kept in one block on purpose: the command's logic lives in smoke.py; this only parses and prints.
+# Kept in one block on purpose: the logic lives in smoke.py (pure) and smoke_run.py (containers);
+# this only parses and prints.
 
 
 @cli.command("test")
@@ -623,8 +625,8 @@ def print_gate(result: gating.GateResult) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="JUnit XML, logs and expectations per image (default: smoke/ beside the report).")
 @click.option("--harness", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help="A prepared pytest folder (first/ and last/) for hosts without PyPI (default: "
-                   "installed with pip once, cached in OUT).")
+              help="pytest for the containers, prepared elsewhere, for hosts without PyPI: a copy of the "
+                   "OUT/.harness/pytest-* folder a run with PyPI leaves (default: pip installs it there once).")
 @click.option("--force", is_flag=True, help="Run again where the same image already passed the same suite.")
 @format_option("table", "json")
 @reports_input_errors
@@ -645,31 +647,33 @@ def test_command(report_path: Path, images: tuple[str, ...], matrix_path: Path |
       imagebuild test --image 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild test --tier abi --format json
     """
-    from . import smoke
+    from . import smoke_run
 
     if images and only:
         raise InputError("--only", None, "", "selects variants of a report; it does not apply to --image")
+    if harness is not None and not (harness / "first" / "pytest").is_dir():
+        raise InputError("--harness", None, str(harness), "has no first/pytest: not a folder `imagebuild test` prepared")
     if not re.fullmatch(r"\d+[bkmg]?", memory.lower()):
         raise InputError("--memory", None, "", f"'{memory}' is not a size like 8g or 512m")
     out = out or (Path(".imagebuild/smoke") if images else report_path.parent / "smoke")
-    options = smoke.RunOptions(timeout_s=timeout_s, memory=memory, cpus=cpus or min(4.0, float(os.cpu_count() or 1)),
+    options = smoke_run.RunOptions(timeout_s=timeout_s, memory=memory, cpus=cpus or min(4.0, float(os.cpu_count() or 1)),
                                pids_limit=pids_limit, tier=tier, gpus=gpus, force=force)
 
-    def make_runner() -> smoke.SmokeRunner:  # called once the input checked out
-        runner = smoke.SmokeRunner(smoke.docker_client(), options, out,
-                                   harness or smoke.ensure_harness(out / ".harness"))
+    def make_runner() -> smoke_run.SmokeRunner:  # called once the input checked out
+        runner = smoke_run.SmokeRunner(smoke_run.docker_client(), options, out,
+                                   harness or smoke_run.ensure_harness(out / ".harness"))
         click.echo(f"smoke tests: tier {tier}; GPUs: "
                    f"{'requested for GPU variants' if runner.gpu_host else 'none on this host'}", err=True)
         return runner
 
-    def progress(result: smoke.SmokeResult) -> None:
+    def progress(result: Any) -> None:
         click.echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
 
     try:
         if images:
-            results = smoke.run_images(images, matrix_path, make_runner, progress)
+            results = smoke_run.run_images(images, matrix_path, make_runner, progress)
         else:
-            results = smoke.run_report(report_path, matrix_path, only, make_runner, progress)
+            results = smoke_run.run_report(report_path, matrix_path, only, make_runner, progress)
     except KeyboardInterrupt:
         click.echo("interrupted: the running container was removed", err=True)
         sys.exit(EXIT_INTERRUPTED)

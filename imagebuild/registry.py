@@ -6,10 +6,10 @@ built image in another repository is a manifest copy, not a re-push.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -146,6 +146,22 @@ class Registry:
             raise RegistryError(f"{self.registry}/{repository}:{reference}: HEAD answered {response.status_code}")
         return response.headers.get("docker-content-digest")
 
+    def list_tags(self, repository: str, page_size: int = 10000) -> set[str]:
+        """Every tag of a repository (empty when it does not exist), following Link pagination."""
+        tags: set[str] = set()
+        url: str | None = f"/v2/{repository}/tags/list?n={page_size}"
+        while url:
+            response = self._request("GET", url)
+            if response.status_code == 404:
+                return tags
+            if response.status_code != 200:
+                raise RegistryError(f"{self.registry}/{repository}: tags/list answered {response.status_code}")
+            tags.update(response.json().get("tags") or [])
+            link = response.headers.get("link", "")
+            match = re.match(r'\s*<([^>]+)>\s*;\s*rel="?next"?', link)
+            url = match.group(1) if match else None
+        return tags
+
     def get_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str]:
         """(raw bytes, media type, digest)."""
         response = self._request("GET", f"/v2/{repository}/manifests/{reference}",
@@ -190,31 +206,32 @@ class Registry:
         return self.put_manifest(repository, tag, raw, media_type)
 
 
-async def head_many(registry: str, refs: Iterable[tuple[str, str]], concurrency: int = 32,
-                    username: str | None = None, password: str | None = None,
-                    insecure: bool | None = None,
-                    event_hooks: dict | None = None) -> dict[tuple[str, str], str | None]:
-    """HEAD many (repository, reference) pairs at once: one request each.
+def head_many(registry: str, refs: Iterable[tuple[str, str]], concurrency: int = 16,
+              username: str | None = None, password: str | None = None,
+              insecure: bool | None = None,
+              event_hooks: dict | None = None) -> dict[tuple[str, str], str | None]:
+    """HEAD many (repository, reference) pairs at once: one request each, `concurrency` in flight.
 
-    `event_hooks` are httpx's (e.g. to count requests in a benchmark).
+    Threads over one pooled client: measured here, asyncio httpx spent about 8 ms of client
+    CPU per HEAD, threads about 1.6 ms. `event_hooks` are httpx's (to count requests).
     """
     refs = list(dict.fromkeys(refs))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url(registry, insecure), limits=limits, timeout=30.0,
-                                 auth=_TokenAuth(username, password), event_hooks=event_hooks) as client:
-        async def one(repository: str, reference: str) -> str | None:
-            async with semaphore:
-                try:
-                    response = await client.head(f"/v2/{repository}/manifests/{reference}",
-                                                 headers={"Accept": MANIFEST_TYPES})
-                except httpx.HTTPError as exc:
-                    raise RegistryError(f"{registry}: {exc.__class__.__name__}: {exc}") from None
+    with httpx.Client(base_url=base_url(registry, insecure), limits=limits, timeout=30.0,
+                      auth=_TokenAuth(username, password), event_hooks=event_hooks) as client:
+        def one(ref: tuple[str, str]) -> str | None:
+            repository, reference = ref
+            try:
+                response = client.head(f"/v2/{repository}/manifests/{reference}",
+                                       headers={"Accept": MANIFEST_TYPES})
+            except httpx.HTTPError as exc:
+                raise RegistryError(f"{registry}: {exc.__class__.__name__}: {exc}") from None
             if response.status_code == 404:
                 return None
             if response.status_code != 200:
                 raise RegistryError(f"{registry}/{repository}:{reference}: HEAD answered {response.status_code}")
             return response.headers.get("docker-content-digest")
 
-        results = await asyncio.gather(*(one(repo, ref) for repo, ref in refs))
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            results = list(pool.map(one, refs))
     return dict(zip(refs, results))
