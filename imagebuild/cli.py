@@ -75,7 +75,19 @@ def dockerfiles_dir(matrix_path: Path, out: Path | None) -> Path:
     return out if out is not None else matrix_path.parent / "dockerfiles"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+
+
+class PipelineGroup(click.Group):
+    """--help lists the commands in the order the pipeline runs them."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: (PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99, n))
+
+
+@click.group(cls=PipelineGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="imagebuild")
 def cli() -> None:
     """Build, test, scan, sign and roll out PaddlePaddle GPU images from one version matrix.
