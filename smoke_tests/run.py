@@ -16,6 +16,8 @@ import sys
 HARNESS = os.environ.get("IMAGEBUILD_SMOKE_HARNESS", "/smoke/pytest")
 SUITE = os.path.dirname(os.path.abspath(__file__))
 
+# Plugins the image happens to have installed (anyio, ...) would otherwise load themselves.
+os.environ.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
 sys.path.insert(0, os.path.join(HARNESS, "first"))
 sys.path.insert(1, SUITE)  # the imagebuild_smoke plugin
 sys.path.append(os.path.join(HARNESS, "last"))

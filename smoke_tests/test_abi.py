@@ -1,0 +1,156 @@
+"""The abi tier: runs on any host, GPU or not, inside the image under test.
+
+Paddle builds, CUDA libraries that the dynamic loader can find, the versions on the tag,
+a non-root user, no stray setuid files, the labels, and a tiny CPU training loop.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+from smoke_lib import assert_learns, cudnn_version_string, major_minor, parse_ldconfig, setuid_files, train
+
+pytestmark = pytest.mark.abi
+
+
+# --- Paddle itself ------------------------------------------------------------------------
+
+
+def test_paddle_imports_at_the_expected_version(paddle, expect):
+    assert paddle.__version__ == expect.paddle, \
+        f"Paddle is {paddle.__version__}, the matrix says {expect.paddle}"
+
+
+def test_cuda_build_matches_the_variant_device(paddle, expect):
+    compiled = paddle.is_compiled_with_cuda()
+    assert compiled == (expect.device == "gpu"), (
+        f"paddle.is_compiled_with_cuda() is {compiled}, but {expect.variant} is a "
+        f"{expect.device.upper()} variant")
+
+
+def test_paddle_was_built_for_the_matrix_cuda(paddle, expect):
+    built = paddle.version.cuda()
+    if expect.cuda is None:
+        assert built in ("False", "None", None), f"a CPU variant's Paddle reports CUDA {built}"
+        return
+    assert built not in ("False", "None", None), f"Paddle reports no CUDA, the matrix says {expect.cuda}"
+    assert major_minor(built) == major_minor(expect.cuda), \
+        f"Paddle was built with CUDA {built}, the matrix says CUDA {expect.cuda}"
+
+
+def test_paddle_was_built_for_the_matrix_cudnn(paddle, expect):
+    built = paddle.version.cudnn()
+    if expect.cudnn is None:
+        assert built in ("False", "None", None), f"a CPU variant's Paddle reports cuDNN {built}"
+        return
+    assert built not in ("False", "None", None), f"Paddle reports no cuDNN, the matrix says {expect.cudnn}"
+    # The tag names major.minor (cudnn8.6); Paddle reports the full version (8.6.0).
+    assert major_minor(built) == major_minor(expect.cudnn), \
+        f"Paddle was built with cuDNN {built}, the matrix says cuDNN {expect.cudnn}"
+
+
+# --- CUDA libraries through the dynamic loader ----------------------------------------------
+
+
+def loader_cache() -> Dict[str, List[str]]:
+    """`ldconfig -p` inside the image: what dlopen() finds without LD_LIBRARY_PATH."""
+    ldconfig = shutil.which("ldconfig") or next(
+        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    assert ldconfig, "ldconfig is not in the image: cannot tell what the dynamic loader finds"
+    out = subprocess.run([ldconfig, "-p"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         universal_newlines=True, timeout=60, check=True).stdout
+    return parse_ldconfig(out)
+
+
+@pytest.fixture(scope="session")
+def ld_cache() -> Dict[str, List[str]]:
+    return loader_cache()
+
+
+def test_cuda_library_resolves(library, expect, ld_cache):
+    """Paddle dlopen()s these by soname on a GPU host; a missing one only shows there."""
+    if library is None:
+        pytest.skip(f"CPU variant ({expect.variant}): Paddle loads no CUDA libraries")
+    problems = []
+    try:
+        ctypes.CDLL(library)
+    except OSError as exc:
+        problems.append(f"dlopen: {exc}")
+    if library not in ld_cache:
+        problems.append("not listed by `ldconfig -p` (its folder is not in /etc/ld.so.conf.d/, "
+                        "or ldconfig was not rerun)")
+    assert not problems, f"{library} does not resolve inside the image: " + "; ".join(problems)
+
+
+def cudnn_library_version(soname: str) -> str:
+    """cudnnGetVersion() needs no GPU, so this works on any host."""
+    lib = ctypes.CDLL(soname)
+    lib.cudnnGetVersion.restype = ctypes.c_size_t
+    return cudnn_version_string(int(lib.cudnnGetVersion()))
+
+
+def test_cudnn_library_is_the_matrix_cudnn(expect):
+    if expect.cudnn is None:
+        pytest.skip(f"CPU variant ({expect.variant}): no cuDNN")
+    soname = f"libcudnn.so.{expect.cudnn.split('.')[0]}"
+    try:
+        found = cudnn_library_version(soname)
+    except OSError as exc:
+        pytest.fail(f"{soname} does not resolve inside the image: {exc}")
+    # cuDNN is compatible within a major version going up: an image may carry a newer 8.x than
+    # the 8.6 Paddle was built with, never an older one, and never another major version.
+    want = major_minor(expect.cudnn)
+    ok = major_minor(found)[0] == want[0] and major_minor(found) >= want
+    assert ok, f"the image's cuDNN library ({soname}) is {found}, the matrix says cuDNN {expect.cudnn}"
+
+
+# --- the interpreter, the user, the files ------------------------------------------------
+
+
+def test_python_is_the_matrix_python(expect):
+    found = "%d.%d" % sys.version_info[:2]
+    assert found == expect.python, f"`python` in the image is {found} ({sys.executable}), the matrix says {expect.python}"
+
+
+def test_runs_as_the_non_root_user(expect):
+    uid, euid, gid = os.getuid(), os.geteuid(), os.getgid()
+    assert uid != 0 and euid != 0, (
+        f"the image runs as root (uid {uid}, euid {euid}); its USER must be the matrix's non-root user"
+        + (f" (uid {expect.uid})" if expect.uid is not None else ""))
+    if expect.uid is not None:
+        assert uid == expect.uid, f"the image runs as uid {uid}, the matrix's user is uid {expect.uid}"
+    if expect.gid is not None:
+        assert gid == expect.gid, f"the image runs as gid {gid}, the matrix's user is gid {expect.gid}"
+
+
+def test_no_unexpected_setuid_or_setgid_files(expect):
+    found, unreadable = setuid_files("/")
+    unexpected = [path for path in found if path not in expect.setuid_allowlist]
+    assert not unexpected, (
+        f"setuid/setgid files not in the matrix's setuid_allowlist: {', '.join(unexpected)}")
+    if unreadable:
+        # Not a failure: the build strips them as root in every layer; worth seeing in the log.
+        print(f"note: {len(unreadable)} folder(s) unreadable by uid {os.getuid()}, not searched: "
+              + ", ".join(unreadable[:10]))
+
+
+def test_labels_match_the_matrix(expect):
+    wrong = []
+    for key, value in sorted(expect.labels_expected.items()):
+        actual = expect.labels_actual.get(key)
+        if actual != value:
+            shown = "missing" if actual is None else repr(actual)
+            wrong.append(f"{key}: image has {shown}, matrix says {value!r}")
+    assert not wrong, f"{len(wrong)} label(s) differ: " + "; ".join(wrong)
+
+
+# --- a tiny training loop on the CPU --------------------------------------------------------
+
+
+def test_cpu_forward_backward_learns(paddle):
+    assert_learns(train(paddle, "cpu", steps=8))
