@@ -86,16 +86,18 @@ class Runner:
         self._running: set[subprocess.Popen] = set()
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
-            env: dict[str, str] | None = None, timeout: float | None = None, cwd: Path | None = None,
+            env: dict[str, str | None] | None = None, timeout: float | None = None, cwd: Path | None = None,
             keep: Callable[[str], bool] | None = None) -> Result:
         """Run `cmd`; its output, redacted, goes to `log` and the Result.
 
+        `env` adds to this process's environment; a None value removes that variable.
         `keep` drops lines from both (a tool whose debug output we need a few lines of, like
         Trivy's, would otherwise fill memory and disk with millions we do not).
         """
         secrets = list(secrets)
+        environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         process = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   errors="replace", env={**os.environ, **(env or {})}, cwd=cwd,
+                                   errors="replace", env=environment, cwd=cwd,
                                    start_new_session=True)
         self._running.add(process)
         chunks: list[str] = []

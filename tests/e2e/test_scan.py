@@ -25,7 +25,7 @@ import pytest
 from imagebuild.tools import docker_cli
 
 from .conftest import EXAMPLE, STAGING, imagebuild, scan_workdir, trivy_cache_with_db
-from .trivydb import EXPAT, PIP, ZLIB
+from .trivydb import EXPAT, PIP, ZLIB, push_db_artifact
 
 CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
 GPU_VARIANT = "paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12"
@@ -279,3 +279,34 @@ def test_a_fresh_cache_analyses_everything_again(scanned_example, trivy_db, tmp_
     assert run.returncode == 0, run.stderr[-2000:]
     layers = json.loads(run.stdout)["layers"]
     assert layers["reused"] == 0 and layers["analysed"] == layers["total"] > 0
+
+
+# --- the DB from a mirror ---------------------------------------------------------------------------------
+
+
+def test_the_db_comes_from_the_mirror_named_with_db_repository(scanned_example, trivy_db, tmp_path):
+    """Production names its DB mirror; here the mirror is a repository in the local registry."""
+    mirror = push_db_artifact(trivy_db, STAGING, f"imagebuild-e2e/trivy-db-{uuid.uuid4().hex[:8]}")
+    cache = tmp_path / "cache"
+    shutil.copytree(scanned_example.cache_dir, cache, ignore=shutil.ignore_patterns("db"))  # layers warm, no DB
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    report = scanned_example.report
+    report["variants"] = [v for v in report["variants"] if v["id"] == CPU_VARIANT]
+    (workdir / "build-report.json").write_text(json.dumps(report))
+    run = imagebuild("scan", "--workdir", str(workdir), "--cache-dir", str(cache), "--db-repository", mirror,
+                     "--dockerfiles", str(EXAMPLE.parent / "dockerfiles"), "--format", "json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)
+    assert summary["db"]["source"] == mirror and summary["offline"] is False
+    assert (cache / "db" / "trivy.db").is_file()
+    assert any(v["VulnerabilityID"] == EXPAT["id"] for r in image_report(workdir, CPU_VARIANT)["Results"]
+               for v in r.get("Vulnerabilities") or [])
+
+
+def test_offline_without_a_db_says_where_it_looked(tmp_path, scanned_example):
+    workdir = scanned_example.copy(tmp_path / "work")
+    run = imagebuild("scan", "--workdir", str(workdir), "--cache-dir", str(tmp_path / "empty"), "--offline",
+                     "--dockerfiles", str(EXAMPLE.parent / "dockerfiles"))
+    assert run.returncode == 3
+    assert f"no vulnerability DB in {tmp_path / 'empty' / 'db'}" in run.stderr

@@ -66,3 +66,40 @@ def build_fixture_db(cache_dir: Path) -> Path:
         if not (cache_dir / "db" / name).is_file():
             raise FixtureError(f"{binary} wrote no {name} into {cache_dir / 'db'}")
     return cache_dir
+
+
+def push_db_artifact(cache_dir: Path, registry: str, repository: str, tag: str = "2") -> str:
+    """Publish CACHE_DIR/db as Trivy publishes its DB (an OCI artifact holding db.tar.gz), to act
+    as the organisation's DB mirror that `imagebuild scan --db-repository` names. Returns the reference."""
+    import hashlib
+    import io
+    import json
+    import tarfile
+
+    import httpx
+
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for name in ("trivy.db", "metadata.json"):
+            tar.add(cache_dir / "db" / name, arcname=name)
+    layer, config = archive.getvalue(), b"{}"
+    with httpx.Client(base_url=f"http://{registry}", timeout=60) as client:
+        def upload(blob: bytes) -> str:
+            digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+            start = client.post(f"/v2/{repository}/blobs/uploads/")
+            start.raise_for_status()
+            location = start.headers["location"]
+            client.put(f"{location}{'&' if '?' in location else '?'}digest={digest}", content=blob,
+                       headers={"Content-Type": "application/octet-stream"}).raise_for_status()
+            return digest
+
+        manifest = {
+            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.aquasec.trivy.config.v1+json", "digest": upload(config),
+                       "size": len(config)},
+            "layers": [{"mediaType": "application/vnd.aquasec.trivy.db.layer.v1.tar+gzip", "digest": upload(layer),
+                        "size": len(layer), "annotations": {"org.opencontainers.image.title": "db.tar.gz"}}],
+        }
+        client.put(f"/v2/{repository}/manifests/{tag}", content=json.dumps(manifest),
+                   headers={"Content-Type": manifest["mediaType"]}).raise_for_status()
+    return f"{registry}/{repository}:{tag}"
