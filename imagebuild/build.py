@@ -6,7 +6,9 @@ A variant gets its release tags only once its whole chain is in the registry.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import subprocess
@@ -16,10 +18,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from .matrix import Matrix
-from .plan import Layer, Plan, Variant, build_plan
+from .plan import Plan, Variant, build_plan
 from .registry import ImageRef, Registry, RegistryError, head_many
 from .render import check_tree
 from .source import InputError
@@ -109,6 +111,39 @@ class BuildReport:
         data["variants"] = [VariantRecord(**v) for v in data["variants"]]
         data["layers"] = [LayerRecord(**rec) for rec in data["layers"]]
         return cls(**data)
+
+
+def record_stage(report_path: Path, stage: str, by_variant: dict[str, dict[str, Any]]) -> None:
+    """Put each variant's result for one stage into the report, atomically and under a lock.
+
+    The file is read again and only this stage is changed, so what another stage (smoke,
+    scan, gate) wrote in the meantime stays; a reader never sees half a file.
+    """
+    with _report_lock(report_path):
+        data = json.loads(report_path.read_text(encoding="utf-8"))
+        for variant in data.get("variants", []):
+            if variant.get("id") in by_variant:
+                variant.setdefault("stages", {})[stage] = by_variant[variant["id"]]
+        mode = report_path.stat().st_mode & 0o777  # keep whatever permissions the report had
+        fd, tmp = tempfile.mkstemp(prefix=".build-report-", suffix=".tmp", dir=report_path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(data, indent=2) + "\n")
+            os.chmod(tmp, mode)
+            os.replace(tmp, report_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _report_lock(report_path: Path) -> Iterator[None]:
+    with open(report_path.with_name(report_path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --- planning against the registry ----------------------------------------------------

@@ -536,9 +536,10 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
         raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
     scans = scanning.image_scans(report, report_path, variants)
     result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    records = {}
     for variant, verdict in zip(variants, result.images):
-        variant.stages["gate"] = gating.stage_record(verdict, result)
-    report.write(report_path)
+        variant.stages["gate"] = records[variant.id] = gating.stage_record(verdict, result)
+    building.record_stage(report_path, "gate", records)
     locations, root = _sarif_locations(variants)
     sarif = gating.to_sarif(result, tool_version=_version(), locations=locations, dockerfiles_root=root)
     record = gating.to_json(result)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .source import Document, InputError, PathKey, Reader, known_list, load_document, suggest
+from .source import Document, PathKey, Reader, known_list, load_document, suggest
 from .support import CudaPair, SupportTable, load_support_table
 
 SCHEMA_VERSION = 1

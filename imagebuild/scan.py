@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import gate
-from .build import BuildReport, VariantRecord
+from .build import BuildReport, VariantRecord, record_stage
 from .registry import ImageRef, base_url
 from .source import InputError
 from .tools import Runner, ToolMissing, find_tool
@@ -331,7 +331,7 @@ class ScanRun:
         for variant in variants:
             record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
             variant.stages["scan"] = record
-            self.report.write(self.report_path)  # each finished image is on record at once
+            record_stage(self.report_path, "scan", {variant.id: record})  # on record at once
             rows.append({"id": variant.id, **{k: record.get(k) for k in
                                               ("status", "image", "duration_s", "counts", "layers", "error")}})
         summary = self._summary(rows, db, time.monotonic() - started)

@@ -13,8 +13,6 @@ image's sys.path and its dependencies behind it, so the image's own packages win
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,9 +25,9 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-from .build import BuildReport
+from .build import BuildReport, record_stage
 from .smoke import (
     STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify, first_line,
     expectations_from_labels, parse_junit, select_records, target_for_record, target_from_labels,
@@ -341,43 +339,8 @@ def _short(exc: BaseException) -> str:
 
 
 def record_results(report_path: Path, results: Iterable[SmokeResult]) -> None:
-    """Put each result into its variant's `stages["smoke"]`, atomically.
-
-    Reads the file again first and changes only this stage, so what another stage wrote in
-    the meantime stays; a reader never sees half a file.
-    """
-    by_name = {r.name: r.stage() for r in results}
-    with _report_lock(report_path):
-        _merge_stage(report_path, by_name)
-
-
-@contextlib.contextmanager
-def _report_lock(report_path: Path) -> Iterator[None]:
-    """An advisory lock beside the report, so two stages updating it never lose each other's
-    results (a stage that reads, works for minutes, then writes its stale copy still can)."""
-    with open(report_path.with_name(report_path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _merge_stage(report_path: Path, by_name: dict[str, dict[str, Any]]) -> None:
-    data = json.loads(report_path.read_text(encoding="utf-8"))
-    for variant in data.get("variants", []):
-        if variant.get("id") in by_name:
-            variant.setdefault("stages", {})[STAGE] = by_name[variant["id"]]
-    mode = report_path.stat().st_mode & 0o777
-    fd, tmp = tempfile.mkstemp(prefix=".build-report-", suffix=".tmp", dir=report_path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(data, indent=2) + "\n")
-        os.chmod(tmp, mode)
-        os.replace(tmp, report_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Put each result into its variant's `stages["smoke"]` (see build.record_stage)."""
+    record_stage(report_path, STAGE, {r.name: r.stage() for r in results})
 
 
 def report_matrix_path(report: BuildReport, report_path: Path, override: Path | None) -> Path:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -10,10 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
-import pytest
 
-from .conftest import EXAMPLE, REPO, STAGING, copy_matrix, imagebuild, unique
+from .conftest import EXAMPLE, REPO, STAGING, copy_matrix, imagebuild
 from .layers import scan_image
 
 CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
