@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the built-in example: set everything up (idempotent), then run the
-# pipeline on examples/local/matrix.yaml against the local staging registry.
+# pipeline on examples/local/matrix.yaml against the local staging registry:
+# validate, render check, plan, build, smoke tests, scan (+ SBOMs), vulnerability gate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
@@ -8,8 +9,18 @@ scripts/bootstrap.sh
 export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 matrix=examples/local/matrix.yaml
 workdir=.imagebuild/example
+trivy_cache=.imagebuild/trivy-example
+
 imagebuild validate --matrix "$matrix"
 imagebuild render --matrix "$matrix" --check
 imagebuild plan --matrix "$matrix" --registry
 imagebuild build --matrix "$matrix" --workdir "$workdir"
-echo "build report: $workdir/build-report.json"
+imagebuild test --report "$workdir/build-report.json"
+
+# Trivy's public DB cannot be downloaded here: the example scans with a small DB written by
+# Trivy's own trivy-db package (tests/fixtures/trivydb) holding real advisories. In
+# production, point `imagebuild scan --db-repository` at your DB mirror instead.
+python -c 'import sys; from pathlib import Path; from tests.e2e.trivydb import build_fixture_db; build_fixture_db(Path(sys.argv[1]))' "$trivy_cache"
+imagebuild scan --workdir "$workdir" --offline --cache-dir "$trivy_cache"
+imagebuild gate --workdir "$workdir" --policy examples/local/policy.yaml
+echo "done: build report with smoke, scan and gate results in $workdir/build-report.json"
