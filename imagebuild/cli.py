@@ -615,9 +615,10 @@ def print_gate(result: gating.GateResult) -> None:
 
 
 @cli.command("test")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path(".imagebuild/build-report.json"), show_default=True,
-              help="Test every built variant of this build report, and record the results in it.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
+              show_default=True, help="Where the build report is (as for build, scan and gate).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Test every built variant of this build report instead, and record the results in it.")
 @click.option("--image", "images", multiple=True, metavar="REF",
               help="Test this image instead (expectations from its labels, or --matrix); repeatable.")
 @click.option("--matrix", "matrix_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -643,7 +644,7 @@ def print_gate(result: gating.GateResult) -> None:
 @click.option("--force", is_flag=True, help="Run again where the same image already passed the same suite.")
 @format_option("table", "json")
 @reports_input_errors
-def test_command(report_path: Path, images: tuple[str, ...], matrix_path: Path | None, only: tuple[str, ...],
+def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...], matrix_path: Path | None, only: tuple[str, ...],
                  tier: str, gpus: str, timeout_s: int, memory: str, cpus: float | None, pids_limit: int,
                  out: Path | None, harness: Path | None, force: bool, output_format: str) -> None:
     """Run the smoke tests (smoke_tests/) inside each image: the abi tier anywhere, the gpu tier on GPU hosts.
@@ -656,12 +657,13 @@ def test_command(report_path: Path, images: tuple[str, ...], matrix_path: Path |
     \b
     Examples:
       imagebuild test                                   # every variant of .imagebuild/build-report.json
-      imagebuild test --report out/build-report.json --only device=gpu
+      imagebuild test --workdir out --only device=gpu
       imagebuild test --image 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild test --tier abi --format json
     """
     from . import smoke_run
 
+    report_path = report_path or workdir / "build-report.json"
     if images and only:
         raise InputError("--only", None, "", "selects variants of a report; it does not apply to --image")
     if harness is not None and not (harness / "first" / "pytest").is_dir():

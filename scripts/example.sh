@@ -15,7 +15,7 @@ imagebuild validate --matrix "$matrix"
 imagebuild render --matrix "$matrix" --check
 imagebuild plan --matrix "$matrix" --registry
 imagebuild build --matrix "$matrix" --workdir "$workdir"
-imagebuild test --report "$workdir/build-report.json"
+imagebuild test --workdir "$workdir"
 
 # Trivy's public DB cannot be downloaded here: the example scans with a small DB written by
 # Trivy's own trivy-db package (tests/fixtures/trivydb) holding real advisories. In
