@@ -182,10 +182,7 @@ def resolve_roots(matrix: Matrix) -> dict[str, str]:
     images |= {spec.image for spec in matrix.cuda.values() if spec.image and not spec.digest}
     resolved = {}
     for image in sorted(images):
-        try:
-            ref = ImageRef.parse(image)
-        except ValueError:
-            continue  # a Docker Hub short name: left to the engine (no registry API here)
+        ref = ImageRef.parse(image)
         with Registry(ref.registry) as registry:
             digest = registry.head_manifest(ref.repository, ref.reference)
         if digest is None:

@@ -35,8 +35,16 @@ EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3  # a tool or service is missing or unreachable
 EXIT_INTERRUPTED = 130
 
-stdout = Console(highlight=False)
-stderr = Console(stderr=True, highlight=False)
+def _console(**kwargs: Any) -> Console:
+    """Rich wraps at 80 columns when not on a terminal; CI logs read better unwrapped."""
+    console = Console(highlight=False, **kwargs)
+    if not console.is_terminal:
+        console.width = 200
+    return console
+
+
+stdout = _console()
+stderr = _console(stderr=True)
 
 
 def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -238,6 +246,11 @@ def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> Non
     stdout.print(table)
     stdout.print(f"{len(the_plan.layers)} distinct layers for {the_plan.chain_length_total()} layer uses; "
                  f"{len(shared)} shared.")
+    floating = sorted({layer.root.image for layer in the_plan.layers.values()
+                       if layer.root is not None and not layer.root.digest})
+    if floating:
+        stdout.print(f"keys are provisional until `plan --registry` resolves these unpinned bases: "
+                     f"{', '.join(floating)}")
 
 
 @cli.command()

@@ -23,6 +23,9 @@ MANIFEST_TYPES = ", ".join([
 ])
 
 
+DOCKER_HUB = "registry-1.docker.io"
+
+
 class RegistryError(Exception):
     pass
 
@@ -36,10 +39,14 @@ class ImageRef:
 
     @classmethod
     def parse(cls, text: str) -> "ImageRef":
+        """Docker's rules: no registry host means Docker Hub, and a one-part name is library/."""
         name, digest = (text.split("@", 1) + [None])[:2] if "@" in text else (text, None)
         registry, _, rest = name.partition("/")
         if not rest or not ("." in registry or ":" in registry or registry == "localhost"):
-            raise ValueError(f"'{text}' does not name a registry host")
+            registry, rest = DOCKER_HUB, name if "/" in name else f"library/{name}"
+        elif registry == "docker.io":
+            registry = DOCKER_HUB
+            rest = rest if "/" in rest.split(":", 1)[0] else f"library/{rest}"
         tag = None
         if ":" in rest.rsplit("/", 1)[-1]:
             rest, tag = rest.rsplit(":", 1)

@@ -198,10 +198,7 @@ def _keep_log_line(line: str) -> bool:
 
 def is_insecure(reference: str, options: ScanOptions) -> bool:
     """Plain http (Trivy's --insecure) for loopback registries, as docker does, and for those listed."""
-    try:
-        registry = ImageRef.parse(reference).registry
-    except ValueError:
-        return False  # a Docker Hub short name: https
+    registry = ImageRef.parse(reference).registry
     return registry in options.insecure_registries or base_url(registry).startswith("http://")
 
 
