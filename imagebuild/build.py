@@ -274,7 +274,9 @@ class Builder:
         pool = ThreadPoolExecutor(max_workers=max(1, self.options.jobs))
         try:
             while todo or running:
-                for key in sorted(todo):
+                # Parents before children (the plan's order), so a failure reaches every
+                # descendant in one pass.
+                for key in [k for k in self.plan.layers if k in todo]:
                     parent = self.plan.layers[key].parent
                     if parent in failed:
                         todo.discard(key)

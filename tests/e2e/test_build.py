@@ -145,6 +145,22 @@ def test_a_failed_layer_stops_only_its_descendants(built_example, tmp_path, fres
     assert registry_digest(f"imagebuild-example/{fresh_repository}", "3.3.1") is not None
 
 
+def test_a_failed_root_layer_skips_every_layer_built_on_it(tmp_path, fresh_repository):
+    def break_the_base_layer(data):
+        data["repository"] = fresh_repository
+        data["layers"] = {"base": {"run": [f"echo 'base fails on purpose {uuid.uuid4().hex}' >&2; exit 3"]}}
+
+    matrix = copy_matrix(tmp_path, break_the_base_layer)
+    run = imagebuild("build", "--matrix", str(matrix), "--workdir", str(tmp_path / "w"))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    report = json.loads((tmp_path / "w" / "build-report.json").read_text())
+    statuses = layer_status(report)
+    assert statuses.pop("base/debian12") == "failed"
+    assert set(statuses.values()) == {"skipped"}, statuses  # grandchildren too, whatever their keys
+    assert {v["status"] for v in report["variants"]} == {"failed"}
+
+
 def test_interrupting_a_build_stops_it_and_tags_nothing(built_example, tmp_path, fresh_repository):
     nonce = uuid.uuid4().hex
 
