@@ -33,25 +33,23 @@ def test_cuda_build_matches_the_variant_device(paddle, expect):
         f"{expect.device.upper()} variant")
 
 
-def test_paddle_was_built_for_the_matrix_cuda(paddle, expect):
-    built = paddle.version.cuda()
-    if expect.cuda is None:
-        assert built in ("False", "None", None), f"a CPU variant's Paddle reports CUDA {built}"
+def _check_built_version(what: str, built, expected: str | None) -> None:
+    """Paddle's compile-time CUDA or cuDNN version against the matrix (major.minor, as tags name it)."""
+    if expected is None:
+        assert built in ("False", "None", None), f"a CPU variant's Paddle reports {what} {built}"
         return
-    assert built not in ("False", "None", None), f"Paddle reports no CUDA, the matrix says {expect.cuda}"
-    assert major_minor(built) == major_minor(expect.cuda), \
-        f"Paddle was built with CUDA {built}, the matrix says CUDA {expect.cuda}"
+    assert built not in ("False", "None", None), f"Paddle reports no {what}, the matrix says {expected}"
+    # The tag names major.minor (cudnn8.6); Paddle reports the full version (8.6.0).
+    assert major_minor(built) == major_minor(expected), \
+        f"Paddle was built with {what} {built}, the matrix says {what} {expected}"
+
+
+def test_paddle_was_built_for_the_matrix_cuda(paddle, expect):
+    _check_built_version("CUDA", paddle.version.cuda(), expect.cuda)
 
 
 def test_paddle_was_built_for_the_matrix_cudnn(paddle, expect):
-    built = paddle.version.cudnn()
-    if expect.cudnn is None:
-        assert built in ("False", "None", None), f"a CPU variant's Paddle reports cuDNN {built}"
-        return
-    assert built not in ("False", "None", None), f"Paddle reports no cuDNN, the matrix says {expect.cudnn}"
-    # The tag names major.minor (cudnn8.6); Paddle reports the full version (8.6.0).
-    assert major_minor(built) == major_minor(expect.cudnn), \
-        f"Paddle was built with cuDNN {built}, the matrix says cuDNN {expect.cudnn}"
+    _check_built_version("cuDNN", paddle.version.cudnn(), expect.cudnn)
 
 
 # --- CUDA libraries through the dynamic loader ----------------------------------------------

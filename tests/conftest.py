@@ -11,12 +11,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_imagebuild(*args: str | Path, cwd: Path = REPO_ROOT,
-                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_imagebuild(*args: str | Path, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None,
+                   timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`python -m imagebuild ARGS` in a fresh process, as CI and people run it."""
     return subprocess.run(
         [sys.executable, "-m", "imagebuild", *map(str, args)],
-        cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120,
+        cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
     )
 
 

@@ -6,9 +6,6 @@ say how to start them (scripts/bootstrap.sh); they never skip.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +14,8 @@ import docker
 import httpx
 import pytest
 import yaml
+
+from ..conftest import run_imagebuild
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"
@@ -60,8 +59,7 @@ class Run:
 
 
 def imagebuild(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 3600) -> Run:
-    proc = subprocess.run([sys.executable, "-m", "imagebuild", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    proc = run_imagebuild(*args, cwd=cwd, env=env, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
