@@ -1,0 +1,49 @@
+"""The `imagebuild` command line: parse, call, print. No pipeline logic lives here.
+
+One module per command group; this one only assembles them. Exit codes: 0 success; 1 the work
+failed (drift found, a build or gate failed); 2 bad input (malformed matrix, policy or release
+file; bad options); 3 a tool or service is missing; 130 interrupted.
+"""
+from __future__ import annotations
+
+import click
+
+from .build_command import build
+from .matrix_commands import plan, render, support, validate
+from .scan_commands import gate_command, scan
+from .test_command import test_command
+
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+
+
+class PipelineGroup(click.Group):
+    """--help lists the commands in the order the pipeline runs them."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: (PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99, n))
+
+
+@click.group(cls=PipelineGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="imagebuild")
+def cli() -> None:
+    """Build, test, scan, sign and roll out PaddlePaddle GPU images from one version matrix.
+
+    \b
+    Examples:
+      imagebuild plan                                  # what matrix.yaml expands to
+      imagebuild plan --format github-matrix           # one CI job per variant
+      imagebuild render && git diff dockerfiles/       # regenerate the Dockerfiles
+      imagebuild render --check                        # CI: fail when they drifted
+      imagebuild support                               # the Paddle/CUDA/Python table
+    """
+
+
+
+for command in (validate, support, plan, render, build, test_command, scan, gate_command):
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="imagebuild")

@@ -1,0 +1,103 @@
+"""imagebuild build: BuildKit builds in layer order, the build report."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .. import build as building
+from .. import plan as planning
+from ..matrix import load_matrix
+from ..progress import progress_for
+from ..source import InputError
+from .common import (EXIT_FAILED, EXIT_INTERRUPTED, _revision, dockerfiles_dir, format_option,
+                     matrix_option, only_option, reports_input_errors, revision_option,
+                     stderr)
+
+
+@click.command()
+@matrix_option
+@only_option
+@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Independent layers built at once.")
+@click.option("--dry-run", is_flag=True, help="Plan against the registry and write the report; build nothing.")
+@click.option("--dockerfiles", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Rendered Dockerfiles (default: dockerfiles/ beside the matrix).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
+              show_default=True, help="Where the build report and logs go.")
+@click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
+              help="Take a declared build secret from this file instead (e.g. from CI's secret store).")
+@revision_option
+@format_option("table", "json")
+@reports_input_errors
+def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
+          workdir: Path, secret_overrides: tuple[str, ...], revision: str | None, output_format: str) -> None:
+    """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
+
+    Layer images go to the cache repository under their content keys; each variant gets its
+    tags once its whole chain is built. Writes WORKDIR/build-report.json even when builds fail.
+
+    \b
+    Examples:
+      imagebuild build --matrix examples/local/matrix.yaml
+      imagebuild build --only device=cpu --jobs 4
+      imagebuild build --dry-run --format json     # what would be built
+    """
+    matrix = load_matrix(matrix_path)
+    rev, created = _revision(revision)
+    the_plan = building.prepare(matrix, rev, created)
+    variants = planning.variant_selector(the_plan, only)
+    if not variants:
+        raise InputError(str(matrix_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    report = building.registry_plan(the_plan, variants)
+    report.revision = rev
+    overrides = {}
+    for item in secret_overrides:
+        sid, sep, path = item.partition("=")
+        if not sep or not sid or not path:
+            raise InputError("--secret", None, item, "expected ID=PATH")
+        overrides[sid] = path
+    secrets = building.secret_files(matrix, overrides)
+    options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
+                                    dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
+                                    workdir=workdir, secrets=secrets.paths, secret_values=secrets.values)
+    view = progress_for(stderr)
+    for rec in report.layers:
+        if rec.status == "to-build":
+            view.add(rec)
+    try:
+        with view:
+            report = building.Builder(the_plan, report, options, view).run()
+    except KeyboardInterrupt:
+        click.echo("interrupted: running builds stopped, no variant was tagged", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        secrets.close()
+    print_build_summary(report, workdir / "build-report.json", output_format)
+    if report.status == "failed":
+        sys.exit(EXIT_FAILED)
+
+
+def print_build_summary(report: building.BuildReport, path: Path, output_format: str) -> None:
+    summary = report.summary()
+    if output_format == "json":
+        click.echo(json.dumps({"report": str(path), "status": report.status, "layers": summary,
+                               "variants": [{"id": v.id, "status": v.status, "image": v.image,
+                                             "tags": v.images} for v in report.variants]}, indent=2))
+        return
+    built, reused = summary.get("built", 0), summary.get("reused", 0)
+    if report.status == "planned":
+        click.echo(f"{summary.get('to-build', 0)} to build, {reused} reused (dry run; report: {path})")
+    elif built == 0 and report.status == "ok":
+        click.echo(f"nothing to build: all {reused} layers reused")
+    else:
+        click.echo(f"{built} built, {reused} reused, {summary.get('failed', 0)} failed, "
+                   f"{summary.get('skipped', 0)} skipped")
+    for v in report.variants:
+        click.echo(f"  {v.status:8} {v.id}  {v.image or ''}")
+    for rec in report.layers:
+        if rec.status == "failed":
+            click.echo(f"\nFAILED {rec.path} (log: {rec.log}):\n{rec.error}", err=True)
+    click.echo(f"report: {path}")

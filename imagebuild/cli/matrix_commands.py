@@ -1,0 +1,228 @@
+"""validate, support, plan, render: the matrix and what it expands to (no engine needed)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from .. import build as building
+from .. import plan as planning
+from ..matrix import load_matrix
+from ..render import check_tree, write_tree
+from ..support import load_support_table, version_key
+from .common import (EXIT_FAILED, _revision, dockerfiles_dir, format_option,
+                     matrix_option, only_option, registry_option, reports_input_errors, revision_option,
+                     stdout)
+
+
+@click.command()
+@matrix_option
+@format_option("table", "json", "github-matrix")
+@registry_option
+@only_option
+@revision_option
+@reports_input_errors
+def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[str, ...],
+         revision: str | None) -> None:
+    """Show the variants, their tags and layer chains; shared layers are marked.
+
+    With --registry, also what a build would do: "N to build, M reused" per layer.
+
+    \b
+    Examples:
+      imagebuild plan --matrix examples/local/matrix.yaml
+      imagebuild plan --matrix examples/local/matrix.yaml --registry
+      imagebuild plan --format json | jq '.variants[].tags'
+      imagebuild plan --format github-matrix   # strategy.matrix for GitHub Actions
+    """
+    matrix = load_matrix(matrix_path)
+    rev, created = _revision(revision)
+    if use_registry:
+        the_plan = building.prepare(matrix, rev, created)
+        report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only),
+                                        resolve_digests=output_format != "table")
+        if output_format == "table":
+            print_registry_plan(the_plan, report)
+        else:
+            record = plan_record(the_plan)
+            status = {rec.key: rec for rec in report.layers}
+            for layer in record["layers"]:
+                rec = status.get(layer["key"])
+                layer["status"] = rec.status if rec else "not-selected"
+                layer["digest"] = rec.digest if rec else None
+            record["summary"] |= {"to_build": sum(r.status == "to-build" for r in report.layers),
+                                  "reused": sum(r.status == "reused" for r in report.layers)}
+            click.echo(json.dumps(record, indent=2))
+        return
+    the_plan = planning.build_plan(matrix, revision=rev, created=created)
+    selected = set(v.id for v in planning.variant_selector(the_plan, only))
+    if output_format == "json":
+        click.echo(json.dumps(plan_record(the_plan, selected), indent=2))
+    elif output_format == "github-matrix":
+        click.echo(json.dumps(github_matrix(the_plan, selected), separators=(",", ":")))
+    else:
+        print_plan(the_plan, selected)
+
+
+def print_registry_plan(the_plan: planning.Plan, report: building.BuildReport) -> None:
+    table = Table(title=f"{the_plan.cache_ref}: layers for {len(report.variants)} variant(s)")
+    for column in ("layer", "key", "status"):
+        table.add_column(column)
+    for rec in report.layers:
+        table.add_row(rec.path, rec.key[:12], rec.status)
+    stdout.print(table)
+    to_build = sum(r.status == "to-build" for r in report.layers)
+    reused = sum(r.status == "reused" for r in report.layers)
+    stdout.print(f"{to_build} to build, {reused} reused" + ("" if to_build else ": nothing to build"))
+
+
+def plan_record(the_plan: planning.Plan, selected: set[str] | None = None) -> dict[str, Any]:
+    shared = the_plan.shared_keys()
+    return {
+        "schema": "imagebuild.plan/v1",
+        "matrix": the_plan.matrix_file,
+        "repository": the_plan.repository_ref,
+        "cache_repository": the_plan.cache_ref,
+        "variants": [
+            {
+                "id": v.id, "os": v.os, "device": v.device, "cuda": v.cuda, "cudnn": v.cudnn,
+                "python": v.python, "paddle": v.paddle, "tags": list(v.tags),
+                "images": [f"{the_plan.repository_ref}:{t}" for t in v.tags],
+                "layers": [the_plan.layers[k].path for k in v.chain],
+            }
+            for v in the_plan.variants if selected is None or v.id in selected
+        ],
+        "layers": [
+            {
+                "key": layer.key, "kind": layer.kind, "path": layer.path, "parent": layer.parent,
+                "cache_tag": layer.cache_tag, "shared": layer.key in shared,
+                "used_by": the_plan.users(layer.key),
+                "from": layer.root.reference if layer.root else None,
+                "from_pinned": layer.root.pinned if layer.root else None,
+            }
+            for layer in the_plan.layers.values()
+        ],
+        "summary": {
+            "variants": len(the_plan.variants),
+            "distinct_layers": len(the_plan.layers),
+            "chain_layers_total": the_plan.chain_length_total(),
+            "shared_layers": len(shared),
+        },
+    }
+
+
+def github_matrix(the_plan: planning.Plan, selected: set[str] | None = None) -> dict[str, Any]:
+    return {"include": [
+        {"variant": v.id, "device": v.device, "paddle": v.paddle, "python": v.python,
+         "cuda": v.cuda or "cpu", "tags": ",".join(v.tags)}
+        for v in the_plan.variants if selected is None or v.id in selected
+    ]}
+
+
+def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> None:
+    shared = the_plan.shared_keys()
+    table = Table(title=f"{the_plan.matrix_file}: {len(the_plan.variants)} variants -> {the_plan.repository_ref}")
+    table.add_column("variant")
+    table.add_column("tags")
+    table.add_column("layers (root first; * shared)")
+    for v in the_plan.variants:
+        if selected is not None and v.id not in selected:
+            continue
+        chain = " > ".join(
+            f"{the_plan.layers[k].kind}{'*' if k in shared else ''}:{k[:8]}" for k in v.chain
+        )
+        table.add_row(v.id, "\n".join(v.tags), chain)
+    stdout.print(table)
+    stdout.print(f"{len(the_plan.layers)} distinct layers for {the_plan.chain_length_total()} layer uses; "
+                 f"{len(shared)} shared.")
+    floating = sorted({layer.root.image for layer in the_plan.layers.values()
+                       if layer.root is not None and not layer.root.digest})
+    if floating:
+        stdout.print(f"keys are provisional until `plan --registry` resolves these unpinned bases: "
+                     f"{', '.join(floating)}")
+
+
+@click.command()
+@matrix_option
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the Dockerfiles go (default: dockerfiles/ beside the matrix).")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 and list the drift if any file differs.")
+@format_option("table", "json")
+@reports_input_errors
+def render(matrix_path: Path, out: Path | None, check: bool, output_format: str) -> None:
+    """Render the layer Dockerfiles from the matrix into dockerfiles/<kind>/<name>/.
+
+    \b
+    Examples:
+      imagebuild render                         # write dockerfiles/ beside matrix.yaml
+      imagebuild render --check                 # CI: non-zero when committed files drifted
+      imagebuild render --matrix examples/local/matrix.yaml
+    """
+    the_plan = planning.build_plan(load_matrix(matrix_path))
+    files = the_plan.rendered_files()
+    root = dockerfiles_dir(matrix_path, out)
+    if check:
+        drift = check_tree(root, files)
+        if output_format == "json":
+            click.echo(json.dumps({"root": str(root), "drift": [{"path": d.path, "reason": d.reason} for d in drift]}))
+        elif drift:
+            click.echo(f"{root}: {len(drift)} file(s) differ from the matrix and templates:", err=True)
+            for d in drift:
+                click.echo(f"  {d}", err=True)
+            click.echo("run `imagebuild render` and commit the result", err=True)
+        else:
+            click.echo(f"{root}: {len(files)} files up to date")
+        sys.exit(EXIT_FAILED if drift else 0)
+    changed = write_tree(root, files)
+    if output_format == "json":
+        click.echo(json.dumps({"root": str(root), "files": len(files), "changed": changed}))
+        return
+    for line in changed:
+        click.echo(f"  {line}")
+    click.echo(f"{root}: {len(files)} files, {len(changed)} changed")
+
+
+
+@click.command()
+@matrix_option
+@format_option("table", "json")
+@reports_input_errors
+def validate(matrix_path: Path, output_format: str) -> None:
+    """Check the matrix against its schema and the support table; write nothing."""
+    the_plan = planning.build_plan(load_matrix(matrix_path))
+    if output_format == "json":
+        click.echo(json.dumps({"matrix": str(matrix_path), "valid": True, "variants": len(the_plan.variants)}))
+    else:
+        click.echo(f"{matrix_path}: valid, {len(the_plan.variants)} variants")
+
+
+@click.command()
+@format_option("table", "json")
+def support(output_format: str) -> None:
+    """Show the support table: CUDA/cuDNN pairs and Pythons per Paddle, driver minimums."""
+    table_data = load_support_table()
+    if output_format == "json":
+        click.echo(json.dumps({
+            "paddle": {v: {"python": list(e.python), "cpu": e.cpu,
+                           "gpu": [{"cuda": p.cuda, "cudnn": p.cudnn} for p in e.gpu]}
+                       for v, e in table_data.paddle.items()},
+            "driver_minimum": table_data.driver_minimum,
+        }, indent=2))
+        return
+    table = Table(title="Paddle support table")
+    for column in ("paddle", "CUDA/cuDNN", "Python", "CPU"):
+        table.add_column(column)
+    for version in table_data.paddle_versions():
+        e = table_data.paddle[version]
+        table.add_row(version, ", ".join(str(p) for p in e.gpu), ", ".join(e.python), "yes" if e.cpu else "no")
+    stdout.print(table)
+    drivers = Table(title="Minimum NVIDIA driver")
+    drivers.add_column("CUDA")
+    drivers.add_column("driver >=")
+    for cuda in sorted(table_data.driver_minimum, key=version_key):
+        drivers.add_row(cuda, table_data.driver_minimum[cuda])
+    stdout.print(drivers)
