@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from typing import Callable
+from collections.abc import Callable
 
 from imagebuild.source import LIMITS, InputError, parse_document
 

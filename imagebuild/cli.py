@@ -11,24 +11,25 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from . import plan as planning
 from . import build as building
 from . import gate as gating
+from . import plan as planning
 from . import scan as scanning
 from .matrix import load_matrix
 from .progress import progress_for
 from .registry import RegistryError
 from .render import check_tree, write_tree
 from .source import InputError, load_document
-from .tools import ToolMissing
 from .support import load_support_table, version_key
+from .tools import ToolMissing
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

@@ -16,9 +16,10 @@ import os
 import re
 import stat
 import unicodedata
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import yaml
 
@@ -136,6 +137,12 @@ _MAX_INT_DIGITS = 32  # int() of a long digit string is slow (and over 4300 digi
 Pair = tuple[yaml.Node, yaml.Node]
 
 
+class _Mark(Protocol):
+    """A position in the file, as PyYAML's pure-Python and C marks both give it."""
+
+    line: int  # counted from 0
+
+
 def _short_tag(tag: str) -> str:
     return "!!" + tag[len(_STANDARD):] if tag.startswith(_STANDARD) else tag
 
@@ -163,7 +170,7 @@ class _Loader(yaml.SafeLoader):
         self.flattening: set[int] = set()
         self.converting: set[int] = set()
 
-    def refuse(self, mark: yaml.Mark | None, message: str, key: str = "") -> NoReturn:
+    def refuse(self, mark: _Mark | None, message: str, key: str = "") -> NoReturn:
         raise InputError(self.name, mark.line + 1 if mark else None, key, message)
 
     # Scanner: nesting is bounded while reading tokens, before the composer recurses into it
@@ -185,19 +192,27 @@ class _Loader(yaml.SafeLoader):
 
     # Composer: aliases and values are counted as the tree is built.
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    # Typed here, as PyYAML's stubs leave them untyped.
+
+    def peek_event(self) -> yaml.Event:
+        peek: Callable[[], yaml.Event] = super().peek_event
+        return peek()
+
+    def get_event(self) -> yaml.Event:
+        get: Callable[[], yaml.Event] = super().get_event
+        return get()
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
             if self.aliases > self.limits.max_aliases:
                 self.refuse(self.peek_event().start_mark, f"more than {self.limits.max_aliases} aliases (*name)")
-            node: yaml.Node = super().compose_node(parent, index)
-            return node
+            return super().compose_node(parent, index)
         self.nodes += 1
         if self.nodes > self.limits.max_nodes:
             self.refuse(self.peek_event().start_mark, f"more than {self.limits.max_nodes} values")
         if self.check_event(yaml.ScalarEvent):
-            node = super().compose_node(parent, index)
-            return node
+            return super().compose_node(parent, index)
         self.depth += 1
         if self.depth > self.limits.max_depth:
             self.refuse(self.peek_event().start_mark, f"nested more than {self.limits.max_depth} levels deep")
@@ -385,8 +400,8 @@ def parse_document(text: str, name: str, *, merge_keys: bool = False, limits: Li
         text = text[1:]
     bad = _FORBIDDEN.search(text)
     if bad:
-        line = len(_LINE_BREAK.findall(text, 0, bad.start())) + 1
-        raise InputError(name, line, "", _describe(bad.group()))
+        bad_line = len(_LINE_BREAK.findall(text, 0, bad.start())) + 1
+        raise InputError(name, bad_line, "", _describe(bad.group()))
     doc = Document(file=name, data=None)
     loader = _Loader(text, name, limits, merge_keys)
     try:
@@ -394,6 +409,8 @@ def parse_document(text: str, name: str, *, merge_keys: bool = False, limits: Li
         if loader.check_event(yaml.StreamEndEvent):
             raise InputError(name, 1, "", "the file is empty")
         node = loader.compose_document()
+        if node is None:  # a document marker and nothing else
+            raise InputError(name, 1, "", "the file is empty")
         if not loader.check_event(yaml.StreamEndEvent):
             loader.refuse(loader.peek_event().start_mark, "a second document starts here; expected one per file")
         doc.data = _convert(node, (), doc, loader)
