@@ -28,12 +28,18 @@ from imagebuild.source import LIMITS, InputError, Limits, Reader, load_document,
 
 from .conftest import run_imagebuild
 from .test_gate_cli import write_workdir
-from .test_matrix_errors import VALID as MATRIX  # 24 lines; what is appended starts at line 25
+from .test_matrix_errors import VALID as MATRIX
 from .trivy_reports import CPU, report
 
+NEXT = MATRIX.count("\n") + 1  # the line of what a sample appends to the matrix
 POLICY = "schema: 1\nseverity: HIGH\nignore_unfixed: true\n"  # 3 lines; what is appended starts at line 4
 TIMEOUT = 20  # seconds per CLI run; far above the second or two a refusal takes
 MB = 1 << 20
+
+
+def line_of(text: str) -> int:
+    """The matrix's line holding `text`."""
+    return MATRIX[:MATRIX.index(text)].count("\n") + 1
 
 
 @dataclass(frozen=True)
@@ -102,24 +108,25 @@ def expiring(value: str) -> str:
 
 SAMPLES = [
     # Control characters and NUL bytes, raw or written as escapes in double-quoted strings.
-    Sample("nul-in-a-value", "matrix", text(MATRIX + "name: pad\x00dle\n"), 25, "control character U+0000"),
+    Sample("nul-in-a-value", "matrix", text(MATRIX + "name: pad\x00dle\n"), NEXT, "control character U+0000"),
     Sample("nul-as-first-byte", "policy", raw(b"\x00" + POLICY.encode()), 1, "control character U+0000"),
-    Sample("bell-in-a-key", "matrix", text(MATRIX + "lab\x07els: {}\n"), 25, "control character U+0007"),
+    Sample("bell-in-a-key", "matrix", text(MATRIX + "lab\x07els: {}\n"), NEXT, "control character U+0007"),
+    Sample("escape-in-a-key", "matrix", text(MATRIX + "\x1b[31mlabels: {}\n"), NEXT, "control character U+001B"),
     Sample("escape-sequence-in-a-value", "policy", text(POLICY + "exceptions:\n  - reason: \x1b[2Jgone\n"), 5,
            "control character U+001B"),
     Sample("escape-written-as-backslash-e", "matrix", text(MATRIX.replace("project: paddle", 'project: "\\e]0;x\\a"')),
-           3, "project: control character U+001B"),
+           line_of("project: paddle"), "project: control character U+001B"),
     Sample("bell-written-as-backslash-a-in-a-key", "policy", text(POLICY + '"sev\\aerity": LOW\n'), 4,
            "control character U+0007"),
     Sample("nul-written-as-backslash-0", "policy", text(POLICY + 'note: "a\\0b"\n'), 4,
            "note: control character U+0000"),
-    Sample("delete", "matrix", text(MATRIX + "name: a\x7fb\n"), 25, "control character U+007F"),
-    Sample("c1-control", "matrix", text(MATRIX + "name: a\u009bb\n"), 25, "control character U+009B"),
+    Sample("delete", "matrix", text(MATRIX + "name: a\x7fb\n"), NEXT, "control character U+007F"),
+    Sample("c1-control", "matrix", text(MATRIX + "name: a\u009bb\n"), NEXT, "control character U+009B"),
     Sample("next-line-as-a-line-break", "policy", text(POLICY + "note: a\u0085b\n"), 4, "control character U+0085"),
     Sample("right-to-left-override", "policy", text(POLICY + "exceptions:\n  - owner: \u202eevil\n"), 5,
            "invisible formatting character U+202E"),
     # Invalid encodings.
-    Sample("latin-1", "matrix", raw(MATRIX.encode() + "name: Café\n".encode("latin-1")), 25, "not valid UTF-8"),
+    Sample("latin-1", "matrix", raw(MATRIX.encode() + "name: Café\n".encode("latin-1")), NEXT, "not valid UTF-8"),
     Sample("latin-1-in-a-comment", "policy", raw(POLICY.encode() + "# Müller\n".encode("latin-1")), 4,
            "not valid UTF-8 (byte 0xfc at column 4)"),
     Sample("utf-16-little-endian-with-bom", "matrix", raw(MATRIX.encode("utf-16")), 1, "UTF-16"),
@@ -127,52 +134,52 @@ SAMPLES = [
            "UTF-16"),
     Sample("utf-32-with-bom", "matrix", raw(MATRIX.encode("utf-32")), 1, "UTF-32"),
     Sample("utf-16-without-bom", "policy", raw(POLICY.encode("utf-16-le")), 1, "control character U+0000"),
-    Sample("truncated-utf-8-sequence", "matrix", raw(MATRIX.encode() + b"name: caf\xc3\n"), 25, "not valid UTF-8"),
+    Sample("truncated-utf-8-sequence", "matrix", raw(MATRIX.encode() + b"name: caf\xc3\n"), NEXT, "not valid UTF-8"),
     Sample("overlong-utf-8", "policy", raw(POLICY.encode() + b"# \xc0\xaf\n"), 4, "not valid UTF-8"),
-    Sample("utf-8-encoded-surrogate", "matrix", raw(MATRIX.encode() + b"name: \xed\xa0\x80\n"), 25, "not valid UTF-8"),
+    Sample("utf-8-encoded-surrogate", "matrix", raw(MATRIX.encode() + b"name: \xed\xa0\x80\n"), NEXT, "not valid UTF-8"),
     # Alias and anchor expansion bombs.
-    Sample("billion-laughs-9-levels-of-9", "matrix", text(MATRIX + f"lol: {bomb(9, 9)}\n"), 25, "aliases expand"),
+    Sample("billion-laughs-9-levels-of-9", "matrix", text(MATRIX + f"lol: {bomb(9, 9)}\n"), NEXT, "aliases expand"),
     Sample("billion-laughs-of-mappings", "policy", text(POLICY + "lol:\n" + mapping_bomb(9, 9)), 4, "aliases expand"),
     Sample("billion-laughs-20-levels-of-2", "policy", text(POLICY + f"lol: {bomb(20, 2)}\n"), 4, "aliases expand"),
-    Sample("merge-key-bomb", "matrix", text(MATRIX + f"lol: {merge_bomb(9, 9)}\n"), 25, "merge keys (<<) expand"),
+    Sample("merge-key-bomb", "matrix", text(MATRIX + f"lol: {merge_bomb(9, 9)}\n"), NEXT, "merge keys (<<) expand"),
     Sample("too-many-aliases", "policy", text(POLICY + "x: &x y\nmany: [" + "*x, " * 1000 + "]\n"), 5,
            f"more than {LIMITS.max_aliases} aliases"),
-    Sample("alias-inside-itself", "matrix", text(MATRIX + "loop: &loop [a, *loop]\n"), 25,
+    Sample("alias-inside-itself", "matrix", text(MATRIX + "loop: &loop [a, *loop]\n"), NEXT,
            "refers to a collection that contains it"),
     # Very deep nesting, flow and block style.
-    Sample("10k-flow-sequences", "matrix", text(MATRIX + "name: " + "[" * 10_000 + "]" * 10_000 + "\n"), 25,
+    Sample("10k-flow-sequences", "matrix", text(MATRIX + "name: " + "[" * 10_000 + "]" * 10_000 + "\n"), NEXT,
            "nested more than"),
     Sample("100k-flow-sequences-never-closed", "policy", text(POLICY + "note: " + "[" * 100_000 + "\n"), 4,
            "nested more than"),
     Sample("100k-flow-mappings", "policy", text(POLICY + "note: " + "{a: " * 100_000 + "}" * 100_000 + "\n"), 4,
            "nested more than"),
-    Sample("10k-block-sequences", "matrix", text(MATRIX + "name:\n" + "- " * 10_000 + "x\n"), 26, "nested more than"),
+    Sample("10k-block-sequences", "matrix", text(MATRIX + "name:\n" + "- " * 10_000 + "x\n"), NEXT + 1, "nested more than"),
     Sample("100k-block-sequences", "policy", text(POLICY + "note:\n  " + "- " * 100_000 + "x\n"), 5,
            "nested more than"),
-    # Key i sits at line 25 + i, at nesting level i + 1: the first one past the limit is named.
+    # Key i sits at line NEXT + i, at nesting level i + 1: the first one past the limit is named.
     Sample("block-mappings-indented-200-deep", "matrix",
            text(MATRIX + "".join(" " * i + f"k{i}:\n" for i in range(200)) + " " * 200 + "x\n"),
-           25 + LIMITS.max_depth, "nested more than"),
+           NEXT + LIMITS.max_depth, "nested more than"),
     # Very large files, refused by their size before they are read.
     Sample("50-mb-comment", "matrix", padded(MATRIX + "# ", "lol ", 50 * MB), None, "the file is 52,428,800 bytes"),
     Sample("50-mb-value", "policy", padded(POLICY + "note: ", "x", 50 * MB), None, "the file is 52,428,800 bytes"),
     Sample("50-gb-sparse-file", "matrix", sparse(50 << 30), None, "YAML input is limited to"),
     Sample("one-byte-over-the-limit", "policy", padded(POLICY + "# ", "x", LIMITS.max_bytes + 1), None,
            f"YAML input is limited to {LIMITS.max_bytes:,}"),
-    Sample("small-file-with-too-many-values", "matrix", text(MATRIX + "name: [" + "a," * 100_000 + "]\n"), 25,
+    Sample("small-file-with-too-many-values", "matrix", text(MATRIX + "name: [" + "a," * 100_000 + "]\n"), NEXT,
            f"more than {LIMITS.max_nodes} values"),
     # Duplicate keys.
-    Sample("duplicate-top-level-key", "matrix", text(MATRIX + "registry: other.example.com\n"), 25,
+    Sample("duplicate-top-level-key", "matrix", text(MATRIX + "registry: other.example.com\n"), NEXT,
            "registry: duplicate key"),
     Sample("duplicate-key-in-a-list-item", "policy", text(POLICY + "exceptions:\n  - id: CVE-1\n    id: CVE-2\n"), 6,
            "exceptions[0].id: duplicate key"),
-    Sample("duplicate-key-in-a-flow-mapping", "matrix", text(MATRIX + "labels: {a: 1, a: 2}\n"), 25,
+    Sample("duplicate-key-in-a-flow-mapping", "matrix", text(MATRIX + "labels: {a: 1, a: 2}\n"), NEXT,
            "labels.a: duplicate key"),
     Sample("duplicate-key-quoted-once", "policy", text(POLICY + '"severity": LOW\n'), 4, "severity: duplicate key"),
-    Sample("duplicate-key-as-number-and-string", "matrix", text(MATRIX + "labels:\n  1: x\n  '1': y\n"), 27,
+    Sample("duplicate-key-as-number-and-string", "matrix", text(MATRIX + "labels:\n  1: x\n  '1': y\n"), NEXT + 2,
            "labels.1: duplicate key"),
     Sample("duplicate-key-deep-down", "matrix",
-           text(MATRIX.replace("    family: debian\n", "    family: debian\n    family: ubuntu\n")), 9,
+           text(MATRIX.replace("    family: debian\n", "    family: debian\n    family: ubuntu\n")), line_of("family: debian") + 1,
            "os.debian12.family: duplicate key"),
     # Merge keys, which a policy does not take.
     Sample("merge-key-in-an-exception", "policy",
@@ -186,24 +193,24 @@ SAMPLES = [
            "c: merge keys (<<) are not allowed"),
     # Tags that would build objects, several documents, keys that are not strings, values no schema reads.
     Sample("python-object-apply", "matrix", text(MATRIX + 'name: !!python/object/apply:os.system ["touch pwned"]\n'),
-           25, "tag '!!python/object/apply:os.system' is not allowed"),
+           NEXT, "tag '!!python/object/apply:os.system' is not allowed"),
     Sample("python-name", "policy", text(POLICY + "note: !!python/name:os.system\n"), 4,
            "tag '!!python/name:os.system' is not allowed"),
-    Sample("local-tag", "matrix", text(MATRIX + "name: !ruby/object {a: 1}\n"), 25,
+    Sample("local-tag", "matrix", text(MATRIX + "name: !ruby/object {a: 1}\n"), NEXT,
            "tag '!ruby/object' is not allowed"),
     Sample("binary", "policy", text(POLICY + "note: !!binary aGVsbG8=\n"), 4, "tag '!!binary' is not allowed"),
-    Sample("set", "matrix", text(MATRIX + "name: !!set {a, b}\n"), 25, "tag '!!set' is not allowed"),
-    Sample("second-document", "matrix", text(MATRIX + "---\nschema: 1\n"), 25, "a second document starts here"),
+    Sample("set", "matrix", text(MATRIX + "name: !!set {a, b}\n"), NEXT, "tag '!!set' is not allowed"),
+    Sample("second-document", "matrix", text(MATRIX + "---\nschema: 1\n"), NEXT, "a second document starts here"),
     Sample("second-document-after-an-end-marker", "policy", text(POLICY + "...\n---\nschema: 1\n"), 5,
            "a second document starts here"),
-    Sample("list-as-a-key", "matrix", text(MATRIX + "? [a, b]\n: c\n"), 25, "keys must be strings, got a list"),
+    Sample("list-as-a-key", "matrix", text(MATRIX + "? [a, b]\n: c\n"), NEXT, "keys must be strings, got a list"),
     Sample("null-as-a-key", "policy", text(POLICY + "~: x\n"), 4, "keys must be strings, got None"),
     Sample("boolean-as-a-key", "policy", text(POLICY + "yes: x\n"), 4, "keys must be strings, got True"),
-    Sample("5000-digit-number", "matrix", text(MATRIX.replace("schema: 1", "schema: " + "9" * 5000)), 1,
+    Sample("5000-digit-number", "matrix", text(MATRIX.replace("schema: 1", "schema: " + "9" * 5000)), line_of("schema: 1"),
            "schema: number longer than"),
     Sample("impossible-date", "policy", text(POLICY + expiring("2027-02-30")), 8,
            "exceptions[0].expires: invalid timestamp '2027-02-30'"),
-    Sample("undefined-alias", "matrix", text(MATRIX + "name: *nowhere\n"), 25, "found undefined alias"),
+    Sample("undefined-alias", "matrix", text(MATRIX + "name: *nowhere\n"), NEXT, "found undefined alias"),
     Sample("empty-file", "policy", text(""), 1, "the file is empty"),
 ]
 
