@@ -278,6 +278,8 @@ def _scalar(node: yaml.ScalarNode, path: PathKey, loader: _Loader) -> Any:
         value = loader.construct_object(node)
     except (ValueError, OverflowError) as exc:  # e.g. a date like 2024-13-45
         loader.refuse(node.start_mark, f"invalid {_short_tag(node.tag)[2:]} '{node.value}': {exc}", key)
+    except (KeyError, AttributeError, TypeError):  # an explicit !!bool or !!timestamp on other text
+        loader.refuse(node.start_mark, f"invalid {_short_tag(node.tag)[2:]} '{node.value}'", key)
     if isinstance(value, str):
         bad = _FORBIDDEN.search(value)
         if bad:

@@ -210,6 +210,10 @@ SAMPLES = [
            "schema: number longer than"),
     Sample("impossible-date", "policy", text(POLICY + expiring("2027-02-30")), 8,
            "exceptions[0].expires: invalid timestamp '2027-02-30'"),
+    Sample("explicit-bool-on-other-text", "policy", text(POLICY.replace("true", "!!bool maybe")), 3,
+           "ignore_unfixed: invalid bool 'maybe'"),
+    Sample("explicit-timestamp-on-other-text", "matrix", text(MATRIX + "name: !!timestamp soon\n"), NEXT,
+           "name: invalid timestamp 'soon'"),
     Sample("undefined-alias", "matrix", text(MATRIX + "name: *nowhere\n"), NEXT, "found undefined alias"),
     Sample("empty-file", "policy", text(""), 1, "the file is empty"),
 ]
