@@ -16,10 +16,10 @@ import argparse
 import hashlib
 import json
 import statistics
-from concurrent.futures import ThreadPoolExecutor
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -89,7 +89,7 @@ def main() -> int:
             for _ in range(args.runs):
                 count = [0]
 
-                def counted(request: httpx.Request) -> None:
+                def counted(request: httpx.Request, count: list[int] = count) -> None:
                     count[0] += 1
 
                 start = time.perf_counter()

@@ -15,10 +15,11 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from .matrix import Matrix
 from .plan import Plan, Variant, build_plan
@@ -98,7 +99,7 @@ class BuildReport:
         tmp.replace(path)  # a reader never sees half a report
 
     @classmethod
-    def read(cls, path: Path) -> "BuildReport":
+    def read(cls, path: Path) -> BuildReport:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:

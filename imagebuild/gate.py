@@ -20,10 +20,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from .source import Document, Reader, known_list, suggest
+from .source import Document, PathKey, Reader, known_list, suggest
 
 POLICY_SCHEMA = 1
 GATE_SCHEMA = "imagebuild.gate/v1"
@@ -96,7 +97,7 @@ def parse_policy(doc: Document) -> Policy:
     misconfig = _severity(r, data.get("misconfiguration_severity", "HIGH"), ("misconfiguration_severity",))
     ignore_unfixed = r.boolean(data["ignore_unfixed"], ("ignore_unfixed",)) if "ignore_unfixed" in data else False
     exceptions: list[PolicyException] = []
-    seen: dict[tuple, int | None] = {}
+    seen: dict[tuple[str, frozenset[str], frozenset[str]], int | None] = {}
     for index, item in enumerate(r.sequence(data.get("exceptions", []) or [], ("exceptions",))):
         exc = _exception(r, item, ("exceptions", index))
         identity = (exc.id.upper(), frozenset(map(_package_key, exc.packages)), frozenset(exc.variants))
@@ -109,7 +110,7 @@ def parse_policy(doc: Document) -> Policy:
                   misconfiguration_severity=misconfig, exceptions=tuple(exceptions))
 
 
-def _severity(r: Reader, value: Any, path: tuple) -> str:
+def _severity(r: Reader, value: Any, path: PathKey) -> str:
     text = r.string(value, path).upper()
     if text not in SEVERITIES:
         raise r.error(path, f"unknown severity '{value}'{suggest(text, SEVERITIES)} "
@@ -117,7 +118,7 @@ def _severity(r: Reader, value: Any, path: tuple) -> str:
     return text
 
 
-def _exception(r: Reader, item: Any, path: tuple) -> PolicyException:
+def _exception(r: Reader, item: Any, path: PathKey) -> PolicyException:
     spec = r.mapping(item, path, allowed=_EXCEPTION_KEYS, required=("id", "owner", "reason", "expires"))
     vuln_id = r.string(spec["id"], path + ("id",)).strip()
     if not _ID.match(vuln_id):
@@ -132,7 +133,7 @@ def _exception(r: Reader, item: Any, path: tuple) -> PolicyException:
                            packages=packages, variants=variants, line=r.doc.line(path))
 
 
-def _names(r: Reader, spec: dict, key: str, path: tuple) -> tuple[str, ...]:
+def _names(r: Reader, spec: dict[str, Any], key: str, path: PathKey) -> tuple[str, ...]:
     if key not in spec:
         return ()
     names = r.strings(spec[key], path + (key,))
@@ -141,7 +142,7 @@ def _names(r: Reader, spec: dict, key: str, path: tuple) -> tuple[str, ...]:
     return tuple(name.strip() for name in names)
 
 
-def _date(r: Reader, value: Any, path: tuple) -> dt.date:
+def _date(r: Reader, value: Any, path: PathKey) -> dt.date:
     # YAML reads 2027-01-31 as a date and '2027-01-31' as a string; both mean the same day.
     if isinstance(value, dt.datetime):
         raise r.error(path, "expected a date like 2027-01-31, not a date and time")

@@ -165,7 +165,7 @@ class Matrix:
 
 
 def load_matrix(path: str | Path, support: SupportTable | None = None) -> Matrix:
-    doc = load_document(path, display_name=_display(path))
+    doc = load_document(path, display_name=_display(path), merge_keys=True)  # os entries may share settings
     return MatrixParser(doc, support or load_support_table()).parse()
 
 

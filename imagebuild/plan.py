@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .matrix import _TAG, CPU, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
+from .matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
 from .render import render_template
 from .source import PathKey
 
@@ -293,7 +294,7 @@ def _freeze(value: Any) -> Any:
 
 
 def _release(b: _Builder, variant_id: str, parent: str, os_spec: OSSpec, cuda: CudaSpec | None,
-             root: Root, combo, tags: tuple[str, ...]) -> str:
+             root: Root, combo: Combination, tags: tuple[str, ...]) -> str:
     m = b.matrix
     base_digest = root.digest if root.pinned else "${IMAGEBUILD_BASE_DIGEST}"
     labels = {
@@ -336,7 +337,7 @@ def _python_suffixes(matrix: Matrix) -> dict[tuple[str, str, str], bool]:
     return {k: len(v) > 1 for k, v in pythons.items()}
 
 
-def _tags(matrix: Matrix, combo, cuda: CudaSpec | None, needs_suffix: bool) -> tuple[str, ...]:
+def _tags(matrix: Matrix, combo: Combination, cuda: CudaSpec | None, needs_suffix: bool) -> tuple[str, ...]:
     device = "cpu" if cuda is None else "gpu"
     templates = combo.tags or matrix.tags[device]
     fields = {

@@ -7,7 +7,7 @@ import time
 from typing import Protocol
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 
 class HasLayerFields(Protocol):
@@ -25,7 +25,7 @@ class LineProgress:
         self.stream = stream or sys.stderr
         self.lock = threading.Lock()
 
-    def __enter__(self) -> "LineProgress":
+    def __enter__(self) -> LineProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -52,9 +52,9 @@ class LiveProgress:
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                                  console=console, transient=False)
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
-    def __enter__(self) -> "LiveProgress":
+    def __enter__(self) -> LiveProgress:
         self.progress.start()
         return self
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
 
 import httpx
 
@@ -38,9 +38,10 @@ class ImageRef:
     digest: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "ImageRef":
+    def parse(cls, text: str) -> ImageRef:
         """Docker's rules: no registry host means Docker Hub, and a one-part name is library/."""
-        name, digest = (text.split("@", 1) + [None])[:2] if "@" in text else (text, None)
+        name, at, after = text.partition("@")
+        digest = after if at else None
         registry, _, rest = name.partition("/")
         if not rest or not ("." in registry or ":" in registry or registry == "localhost"):
             registry, rest = DOCKER_HUB, name if "/" in name else f"library/{name}"
@@ -126,7 +127,7 @@ class Registry:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "Registry":
+    def __enter__(self) -> Registry:
         return self
 
     def __exit__(self, *exc: object) -> None:

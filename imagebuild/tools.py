@@ -9,10 +9,10 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 TOOLS_DIR = Path(os.environ.get("IMAGEBUILD_TOOLS_DIR", "/opt/imagebuild-tools/bin"))
 REDACTED = "***"

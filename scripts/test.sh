@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 # bootstrap installed the package into this venv; its python and imagebuild come first.
 export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
+# Lint and types first: cheap, and a failure there fails the run (set -e).
+python -m ruff check imagebuild tests bench
+python -m mypy  # files and strictness: [tool.mypy] in pyproject.toml
 set +e
 python -m pytest "$@"
 status=$?

@@ -19,8 +19,18 @@ from imagebuild.build import VariantRecord
 from imagebuild.matrix import load_matrix
 from imagebuild.plan import build_plan
 from imagebuild.smoke import (
-    EXPECT_SCHEMA, REQUIRED_LABELS, JunitSummary, MatrixContext, SmokeResult, classify, cuda_libraries,
-    expectations_from_labels, parse_junit, require_smoke_passed, select_records, target_for_record,
+    EXPECT_SCHEMA,
+    REQUIRED_LABELS,
+    JunitSummary,
+    MatrixContext,
+    SmokeResult,
+    classify,
+    cuda_libraries,
+    expectations_from_labels,
+    parse_junit,
+    require_smoke_passed,
+    select_records,
+    target_for_record,
     target_from_labels,
 )
 from imagebuild.smoke_run import record_results
@@ -214,7 +224,7 @@ def test_junit_keeps_failure_messages_and_skip_reasons(junit_text):
 
 
 def test_malformed_junit_raises():
-    with pytest.raises(Exception):
+    with pytest.raises(SyntaxError):  # xml.etree's ParseError
         parse_junit("<testsuites><testcase")
 
 

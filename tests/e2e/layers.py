@@ -4,8 +4,8 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import docker
 

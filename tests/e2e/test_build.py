@@ -9,7 +9,6 @@ import time
 import uuid
 from pathlib import Path
 
-
 from .conftest import EXAMPLE, REPO, STAGING, copy_matrix, imagebuild
 from .layers import scan_image
 
