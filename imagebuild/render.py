@@ -7,6 +7,7 @@ template edit changes the content keys and makes `imagebuild render --check` fai
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,12 @@ def _double_quoted(value: Any) -> str:
     return f'"{text}"'
 
 
+def _shell_word(value: Any) -> str:
+    """One shell word that means exactly `value`: plain words stay as they are, anything
+    else is single-quoted, so `numpy>=1.26` or a URL with `;` reaches the command as data."""
+    return shlex.quote(str(value))
+
+
 TEMPLATES_DIR_ENV = "IMAGEBUILD_TEMPLATES_DIR"
 
 
@@ -48,6 +55,7 @@ def environment(templates_dir: str | None = None) -> jinja2.Environment:
         auto_reload=False,  # one process renders from one set of templates; skip a stat per render
     )
     env.filters["dq"] = _double_quoted
+    env.filters["sh"] = _shell_word
     return env
 
 
@@ -55,7 +63,9 @@ def render_template(template: str, context: dict[str, Any], templates_dir: str |
     folder = templates_dir if templates_dir is not None else os.environ.get(TEMPLATES_DIR_ENV) or None
     text = environment(folder).get_template(TEMPLATES[template]).render(**context)
     # Templates stay readable with blank lines around blocks; output keeps single ones.
-    lines = [line.rstrip() for line in text.splitlines()]
+    # Split on "\n" only: str.splitlines() would also break at U+2028 and friends inside a
+    # value, starting a new Dockerfile instruction where the matrix never wrote one.
+    lines = [line.rstrip() for line in text.split("\n")]
     out: list[str] = []
     for line in lines:
         if line == "" and (not out or out[-1] == ""):
