@@ -280,6 +280,9 @@ def render(matrix_path: Path, out: Path | None, check: bool, output_format: str)
             click.echo(f"{root}: {len(drift)} file(s) differ from the matrix and templates:", err=True)
             for d in drift:
                 click.echo(f"  {d}", err=True)
+            if any(d.reason == "foreign" for d in drift):
+                click.echo("foreign files were not written by imagebuild: move them out; render will not "
+                           "replace or remove them", err=True)
             click.echo("run `imagebuild render` and commit the result", err=True)
         else:
             click.echo(f"{root}: {len(files)} files up to date")
