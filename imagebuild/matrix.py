@@ -544,7 +544,7 @@ class MatrixParser:
         return tuple(out)
 
     def _tag_templates(self, value: Any, path: PathKey) -> tuple[str, ...]:
-        items = self.r.strings(value, path)
+        items = self._lines(value, path)
         if not items:
             raise self.r.error(path, "must list at least one tag template")
         sample = {f: "x" for f in TAG_FIELDS} | {"py_suffix": ""}
