@@ -59,6 +59,8 @@ _URL = re.compile(r"^https?://[^\s/@]+(/\S*)?$")
 # Line breaks (including the Unicode ones) and other control characters: in a Dockerfile a
 # line break ends the instruction, so a value holding one could write instructions of its own.
 _NOT_ONE_LINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# BuildKit reads `<<WORD` in a RUN line as a heredoc whose body is the following lines.
+_HEREDOC = re.compile(r"(?<!<)<<(?!<)")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TAG_FIELDS = ("paddle", "cuda", "cudnn", "python", "python_nodot", "os", "device", "py_suffix")
@@ -483,6 +485,9 @@ class MatrixParser:
             if step.rstrip().endswith("\\"):
                 raise self.r.error(path + (i,), "a run step must not end in a backslash "
                                                 "(it would continue into the next Dockerfile line)")
+            if _HEREDOC.search(step):
+                raise self.r.error(path + (i,), "a heredoc (<<) in a run step would take the Dockerfile "
+                                                "lines after it as its body; use a here-string (<<<)")
         return steps
 
     def _layers(self, value: Any, path: PathKey) -> dict[str, LayerSettings]:

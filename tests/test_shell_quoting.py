@@ -9,7 +9,8 @@ operator tokens), and the hostile line must give the benign line's words with ea
 placeholder replaced by the hostile value, whole: no extra word, no extra operator, no
 value split or changed. A second check counts the characters a shell would act on (`$`,
 backticks, globs, `~`, braces, operators, `#`) outside quotes: the hostile line may have no
-more of them than the benign one.
+more of them than the benign one. That also keeps `<<` quoted, so BuildKit, which reads an
+unquoted `<<WORD` in a RUN line as a heredoc over the lines after it, never sees one.
 
 A value that cannot be said safely is refused when the matrix is read (REFUSED): the CLI
 exits 2 with one line, and writes nothing. `run:` steps are the one deliberate exception:
@@ -40,13 +41,15 @@ from tests.conftest import run_imagebuild
 
 APT = ["libc6:amd64", "tzdata=2024a-0+deb12u1~x", "curl/bookworm-backports", "pkg=1:2.3~rc1+dfsg-1"]
 PIP = ['numpy>=1.26,<3', 'pkg[extra]; python_version < "3.12"',
-       "onnx (>=1.0, !=1.2) ; os_name=='posix' and platform_machine != 'x86_64'", "wheel==0.* ; python_version~='3.1'"]
+       "onnx (>=1.0, !=1.2) ; os_name=='posix' and platform_machine != 'x86_64'", "wheel==0.* ; python_version~='3.1'",
+       'x<1 ; os_name == "<<EOF"']
 URL = ["https://x.example/simple;touch${IFS}pwned", "https://x.example/$(id)/`id`|cat>out&&<in",
-       "https://x.example/~user/*?[a]{b,c}#frag!", "https://x.example/it's/\"dq\"\\back"]
+       "https://x.example/~user/*?[a]{b,c}#frag!", "https://x.example/it's/\"dq\"\\back",
+       "https://x.example/<<EOF"]
 WHEELS = ['nvidia-cudnn-cu11==8.6.*; python_version >= "3.8"', "nvidia-cuda-runtime-cu11 == 11.8.89",
           "nvidia-x[extra]==1.0 ; platform_machine=='x86_64'", 'nvidia-y==2.0; os_name != "nt"']
 SETUID = ["/usr/bin/*", "/opt/my tools/su;id", "/x/$(touch pwned)`id`>out<in|&",
-          "/x/'single'\"double\"\\back#~{a,b}!"]
+          "/x/'single'\"double\"\\back#~{a,b}!", "/x/<<EOF"]
 # Strictly validated, so only harmless characters are possible; quoted all the same.
 USER_NAME = ["_svc", "build-er", "x_1", "u-2"]
 PPA = ["deadsnakes/ppa+x", "a.b/c-d", "owner/ppa.2", "x+y/z"]
@@ -173,7 +176,7 @@ SHAPES = {  # which fields each matrix shape holds
     "paddle-own-index": [f for f in QUOTED if f.key not in CUDA_INDEXES],
     "cuda-paddle-index": [f for f in QUOTED if f.key not in PADDLE_OWN_INDEX],
 }
-ROUNDS = range(4)  # round r gives each field its r-th hostile value
+ROUNDS = range(5)  # round r gives each field its r-th hostile value (cycling)
 
 
 def matrix_with(fields: list[Field], value: Callable[[Field], str]) -> dict[str, Any]:
@@ -441,6 +444,7 @@ REFUSED = (
     Refusal("labels.a b", "a b", _label_key),
     Refusal("extra_layers[0].run[0]", "echo a" + NEWLINE_RUN, lambda m, v: m["extra_layers"][0].update(run=[v])),
     Refusal("extra_layers[0].run[0]", "echo a \\", lambda m, v: m["extra_layers"][0].update(run=[v])),
+    Refusal("extra_layers[0].run[0]", "cat <<EOF", lambda m, v: m["extra_layers"][0].update(run=[v])),
     Refusal("extra_layers[0].name", "tools;id", lambda m, v: m["extra_layers"][0].update(name=v)),
 )
 
