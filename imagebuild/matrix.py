@@ -36,8 +36,31 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(?::\d{1,5})?$")
 _IMAGE = re.compile(r"^[a-z0-9]+(?:[._/:-][a-zA-Z0-9]+)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _LABEL_KEY = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
-_APT_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+(?:=[A-Za-z0-9.+~:-]+)?$")
-_PIP_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!-]+(?:,(?:==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!-]+)*)?$")
+# A Debian package spec as apt-get install takes it: name[:arch][=version | /release].
+_APT_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+(?::[a-z0-9-]+)?(?:=[A-Za-z0-9.+~:-]+|/[a-z0-9.-]+)?$")
+# A PEP 508 requirement without a URL: name[extras] specifiers ; marker. It reaches pip as one
+# quoted shell word, so operators and markers are data; this only keeps out what pip can't read.
+_PIP_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_PIP_SPEC = r"(?:===|==|!=|<=|>=|~=|<|>)[ \t]*[A-Za-z0-9.*+!_-]+"
+_MARKER_VALUE = r"""(?:[a-z_]+|'[A-Za-z0-9 ._*+!<>=~-]*'|"[A-Za-z0-9 ._*+!<>=~-]*")"""
+# Whitespace sits only between tokens, never in two quantifiers side by side: no backtracking blow-up.
+_MARKER_TEST = (rf"(?:\([ \t]*)*{_MARKER_VALUE}[ \t]*(?:<=|<|!=|===|==|>=|>|~=|not[ \t]+in|in)[ \t]*"
+                rf"{_MARKER_VALUE}(?:[ \t]*\))*")
+_PIP_MARKER = rf"{_MARKER_TEST}(?:[ \t]+(?:and|or)[ \t]+{_MARKER_TEST})*[ \t]*"
+_PIP_REQUIREMENT = re.compile(
+    rf"(?P<name>{_PIP_NAME})(?:[ \t]*\[[ \t]*{_PIP_NAME}(?:[ \t]*,[ \t]*{_PIP_NAME})*[ \t]*\])?"
+    rf"(?:[ \t]*(?P<specs>\(?[ \t]*{_PIP_SPEC}(?:[ \t]*,[ \t]*{_PIP_SPEC})*(?:[ \t]*\))?))?"
+    rf"(?:[ \t]*;[ \t]*{_PIP_MARKER})?[ \t]*")
+PIP_REQUIREMENT_MAX = 300  # characters; also bounds the pattern's work on a hostile string
+# Launchpad's ppa:<owner>/<archive>.
+_PPA = re.compile(r"^[a-z0-9][a-z0-9.+-]*/[a-z0-9][a-z0-9.+-]*$")
+_USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+_URL = re.compile(r"^https?://[^\s/@]+(/\S*)?$")
+# Line breaks (including the Unicode ones) and other control characters: in a Dockerfile a
+# line break ends the instruction, so a value holding one could write instructions of its own.
+_NOT_ONE_LINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# BuildKit reads `<<WORD` in a RUN line as a heredoc whose body is the following lines.
+_HEREDOC = re.compile(r"(?<!<)<<(?!<)")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TAG_FIELDS = ("paddle", "cuda", "cudnn", "python", "python_nodot", "os", "device", "py_suffix")
@@ -196,8 +219,8 @@ class MatrixParser:
         schema = r.integer(top["schema"], ("schema",))
         if schema != SCHEMA_VERSION:
             raise r.error(("schema",), f"unsupported schema {schema} (this imagebuild reads schema {SCHEMA_VERSION})")
-        registry = r.string(top["registry"], ("registry",))
-        if not _REGISTRY.match(registry):
+        registry = self._line(top["registry"], ("registry",))
+        if not _REGISTRY.fullmatch(registry):
             raise r.error(("registry",), f"'{registry}' is not a registry host[:port]")
         project = self._name(top["project"], ("project",))
         repository = self._name(top["repository"], ("repository",))
@@ -227,43 +250,59 @@ class MatrixParser:
     # --- scalar kinds ---------------------------------------------------------------
 
     def _name(self, value: Any, path: PathKey) -> str:
-        text = self.r.string(value, path)
-        if not _NAME.match(text):
+        text = self._line(value, path)
+        if not _NAME.fullmatch(text):
             raise self.r.error(path, f"'{text}' must be lowercase letters, digits and . _ - (like a Harbor project or repository)")
         return text
 
     def _url(self, value: Any, path: PathKey) -> str:
-        text = self.r.string(value, path)
-        if not re.match(r"^https?://[^\s/@]+(/\S*)?$", text):
+        text = self._line(value, path)
+        if not _URL.fullmatch(text):
             shown = re.sub(r"//\S*@", "//***@", text)  # never echo credentials into a CI log
             raise self.r.error(path, f"'{shown}' is not an http(s) URL without credentials")
         return text
 
     def _image(self, value: Any, path: PathKey) -> str:
-        text = self.r.string(value, path)
+        text = self._line(value, path)
         if "@" in text:
             raise self.r.error(path, "give the digest in its own 'digest' key, not after '@'")
-        if not _IMAGE.match(text):
+        if not _IMAGE.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not an image reference")
         return text
 
     def _digest(self, value: Any, path: PathKey) -> str:
-        text = self.r.string(value, path)
-        if not _DIGEST.match(text):
+        text = self._line(value, path)
+        if not _DIGEST.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not a digest (sha256: followed by 64 hex digits)")
         return text
 
     def _version(self, value: Any, path: PathKey, what: str) -> str:
-        text = self.r.string(value, path)
-        if not _VERSION.match(text):
+        text = self._line(value, path)
+        if not _VERSION.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not a {what} version like 11.8")
         return text
 
     def _python(self, value: Any, path: PathKey) -> str:
-        text = self.r.string(value, path)
-        if not _PYTHON.match(text):
+        text = self._line(value, path)
+        if not _PYTHON.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not a Python version like 3.11")
         return text
+
+    def _line(self, value: Any, path: PathKey, non_empty: bool = True,
+              hint: str = "a value written into a Dockerfile must be one line") -> str:
+        """A string that goes into a Dockerfile: no line break or control character in it."""
+        text = self.r.string(value, path, non_empty=non_empty)
+        bad = _NOT_ONE_LINE.search(text)
+        if bad:
+            raise self.r.error(path, f"contains a line break or control character "
+                                     f"(U+{ord(bad.group()):04X}); {hint}")
+        return text
+
+    def _lines(self, value: Any, path: PathKey, hint: str | None = None) -> tuple[str, ...]:
+        items = self.r.sequence(value, path)
+        if hint is None:
+            return tuple(self._line(item, path + (i,)) for i, item in enumerate(items))
+        return tuple(self._line(item, path + (i,), hint=hint) for i, item in enumerate(items))
 
     # --- sections -------------------------------------------------------------------
 
@@ -271,11 +310,11 @@ class MatrixParser:
         labels = self.r.mapping(value, path)
         out = []
         for key, val in labels.items():
-            if not _LABEL_KEY.match(key):
+            if not _LABEL_KEY.fullmatch(key):
                 raise self.r.error(path + (key,), "label keys are lowercase reverse-DNS names like org.example.team")
             if key.startswith("org.opencontainers.image."):
                 raise self.r.error(path + (key,), "OCI labels are set by imagebuild from the matrix; use your own namespace")
-            out.append((key, self.r.string(val, path + (key,), non_empty=False)))
+            out.append((key, self._line(val, path + (key,), non_empty=False)))
         return tuple(sorted(out))
 
     def _secrets(self, value: Any, path: PathKey) -> tuple[SecretRef, ...]:
@@ -297,7 +336,7 @@ class MatrixParser:
             optional = self.r.boolean(ref.get("optional", False), p + ("optional",))
             if "env" in ref:
                 env = self.r.string(ref["env"], p + ("env",))
-                if not _ENV_NAME.match(env):
+                if not _ENV_NAME.fullmatch(env):
                     raise self.r.error(p + ("env",), f"'{env}' is not an environment variable name")
                 out.append(SecretRef(sid, env=env, optional=optional))
             else:
@@ -307,17 +346,18 @@ class MatrixParser:
     def _user(self, value: Any, path: PathKey) -> UserSpec:
         spec = self.r.mapping(value, path, allowed=("name", "uid", "gid"))
         name = spec.get("name", "paddle")
-        name = self.r.string(name, path + ("name",))
-        if not re.match(r"^[a-z_][a-z0-9_-]{0,31}$", name):
+        name = self._line(name, path + ("name",))
+        if not _USER_NAME.fullmatch(name):
             raise self.r.error(path + ("name",), f"'{name}' is not a valid user name")
         uid = self.r.integer(spec.get("uid", 1000), path + ("uid",), minimum=1, maximum=2**31 - 2)
         gid = self.r.integer(spec.get("gid", 1000), path + ("gid",), minimum=1, maximum=2**31 - 2)
         return UserSpec(name, uid, gid)
 
     def _setuid_allowlist(self, value: Any, path: PathKey) -> tuple[str, ...]:
-        items = self.r.strings(value, path)
+        # find(1) -path patterns: each reaches find as one quoted word, so * and ? are find's.
+        items = self._lines(value, path)
         for i, item in enumerate(items):
-            if not item.startswith("/") or " " in item:
+            if not item.startswith("/"):
                 raise self.r.error(path + (i,), f"'{item}' is not an absolute path")
         return items
 
@@ -336,7 +376,9 @@ class MatrixParser:
                 raise self.r.error(p + ("family",), f"'{family}' is not one of {', '.join(OS_FAMILIES)}")
             ppa = None
             if "python_ppa" in spec:
-                ppa = self.r.string(spec["python_ppa"], p + ("python_ppa",))
+                ppa = self._line(spec["python_ppa"], p + ("python_ppa",))
+                if not _PPA.fullmatch(ppa):
+                    raise self.r.error(p + ("python_ppa",), f"'{ppa}' is not a Launchpad PPA like deadsnakes/ppa")
                 if family != "ubuntu":
                     raise self.r.error(p + ("python_ppa",), "PPAs exist only on ubuntu")
             out[name] = OSSpec(
@@ -386,21 +428,27 @@ class MatrixParser:
         return out
 
     def _apt_packages(self, value: Any, path: PathKey) -> tuple[str, ...]:
-        items = self.r.strings(value, path)
+        items = self._lines(value, path)
         for i, item in enumerate(items):
-            if not _APT_PACKAGE.match(item):
-                raise self.r.error(path + (i,), f"'{item}' is not a Debian package name")
+            if not _APT_PACKAGE.fullmatch(item):
+                raise self.r.error(path + (i,), f"'{item}' is not a Debian package name "
+                                                "(name, name:arch, name=version or name/release)")
         return items
 
     def _pip_requirements(self, value: Any, path: PathKey, pinned: bool = False,
                           non_empty: bool = False) -> tuple[str, ...]:
-        items = self.r.strings(value, path)
+        items = self._lines(value, path)
         if non_empty and not items:
             raise self.r.error(path, "must not be empty")
         for i, item in enumerate(items):
-            if not _PIP_REQUIREMENT.match(item):
-                raise self.r.error(path + (i,), f"'{item}' is not a pip requirement like name==1.2.3")
-            if pinned and "==" not in item:
+            if len(item) > PIP_REQUIREMENT_MAX:
+                raise self.r.error(path + (i,), f"longer than {PIP_REQUIREMENT_MAX} characters; "
+                                                "not a pip requirement")
+            requirement = _PIP_REQUIREMENT.fullmatch(item)
+            if not requirement:
+                raise self.r.error(path + (i,), f"'{item}' is not a pip requirement like name==1.2.3 "
+                                                "or name[extra]>=1.2,<2; python_version < \"3.12\"")
+            if pinned and "==" not in (requirement.group("specs") or ""):
                 raise self.r.error(path + (i,), f"'{item}' must be pinned with ==")
         return items
 
@@ -409,9 +457,9 @@ class MatrixParser:
         env = self.r.mapping(spec.get("env", {}), path + ("env",))
         env_items = []
         for key, val in env.items():
-            if not _ENV_NAME.match(key):
+            if not _ENV_NAME.fullmatch(key):
                 raise self.r.error(path + ("env", key), f"'{key}' is not an environment variable name")
-            text = self.r.string(val, path + ("env", key), non_empty=False)
+            text = self._line(val, path + ("env", key), non_empty=False)
             if re.search(r"(?i)(password|token|secret|credential)", key):
                 raise self.r.error(path + ("env", key), "credentials never go into ENV (they persist in the image); use a build secret")
             env_items.append((key, text))
@@ -425,8 +473,23 @@ class MatrixParser:
                                    for i, u in enumerate(self.r.sequence(pip.get("extra_index_urls", []),
                                                                          path + ("pip", "extra_index_urls")))),
             env=tuple(sorted(env_items)),
-            run=self.r.strings(spec.get("run", []), path + ("run",)),
+            run=self._run_steps(spec.get("run", []), path + ("run",)),
         )
+
+    def _run_steps(self, value: Any, path: PathKey) -> tuple[str, ...]:
+        """`run:` is the deliberate escape hatch: each step is shell, rendered verbatim, so a
+        matrix (from a pull request too) runs whatever it says in the build. It must still be
+        one Dockerfile line, or it would end its RUN and write instructions of its own."""
+        steps = self._lines(value, path, hint="a run step is one line of shell; "
+                                              "split it into several steps or join commands with &&")
+        for i, step in enumerate(steps):
+            if step.rstrip().endswith("\\"):
+                raise self.r.error(path + (i,), "a run step must not end in a backslash "
+                                                "(it would continue into the next Dockerfile line)")
+            if _HEREDOC.search(step):
+                raise self.r.error(path + (i,), "a heredoc (<<) in a run step would take the Dockerfile "
+                                                "lines after it as its body; use a here-string (<<<)")
+        return steps
 
     def _layers(self, value: Any, path: PathKey) -> dict[str, LayerSettings]:
         spec = self.r.mapping(value, path, allowed=LAYER_KINDS)
@@ -487,7 +550,7 @@ class MatrixParser:
         return tuple(out)
 
     def _tag_templates(self, value: Any, path: PathKey) -> tuple[str, ...]:
-        items = self.r.strings(value, path)
+        items = self._lines(value, path)
         if not items:
             raise self.r.error(path, "must list at least one tag template")
         sample = {f: "x" for f in TAG_FIELDS} | {"py_suffix": ""}
@@ -500,7 +563,7 @@ class MatrixParser:
                                                  f"(known: {', '.join(TAG_FIELDS)})") from None
             except (ValueError, IndexError, AttributeError) as exc:
                 raise self.r.error(path + (i,), f"bad tag template: {exc}") from None
-            if not _TAG.match(rendered):
+            if not _TAG.fullmatch(rendered):
                 raise self.r.error(path + (i,), f"'{template}' cannot give a valid tag (letters, digits, _ . -)")
         return items
 
@@ -539,14 +602,14 @@ class MatrixParser:
     def _axis_value(self, axis: str, value: Any, path: PathKey, os_specs, cuda_specs) -> str:
         if axis == "python":
             return self._python(value, path)
-        text = self.r.string(value, path)
+        text = self._line(value, path)
         if axis == "os" and text not in os_specs:
             raise self.r.error(path, f"'{text}' is not in the os catalog{suggest(text, os_specs)} (known: {known_list(os_specs)})")
         if axis == "cuda" and text != CPU and text not in cuda_specs:
             known = [CPU, *cuda_specs]
             raise self.r.error(path, f"'{text}' is not in the cuda catalog{suggest(text, known)} (known: {known_list(known)})")
         if axis == "paddle":
-            if not _VERSION.match(text):
+            if not _VERSION.fullmatch(text):
                 raise self.r.error(path, f"'{text}' is not a Paddle version like 3.0.0")
             if text not in self.support.paddle:
                 raise self.r.error(path, f"'{text}' is not in the support table (known: {known_list(self.support.paddle_versions(), 6)})")

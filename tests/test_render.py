@@ -16,7 +16,7 @@ import pytest
 
 from imagebuild.matrix import load_matrix
 from imagebuild.plan import build_plan
-from imagebuild.render import TEMPLATES, check_tree, write_tree
+from imagebuild.render import GENERATED_HEADER, TEMPLATES, check_tree, write_tree
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_DIGEST = "sha256:" + "d" * 64
@@ -330,7 +330,7 @@ def test_check_fails_and_names_an_edited_dockerfile(imagebuild, production_copy)
 def test_check_fails_and_names_a_stale_file(imagebuild, production_copy):
     stale = production_copy / "dockerfiles" / "python" / "cuda-10.2-py3.7" / "Dockerfile"
     stale.parent.mkdir()
-    stale.write_text("FROM scratch\n", encoding="utf-8")
+    stale.write_text(f"{GENERATED_HEADER} (python layer); do not edit.\nFROM scratch\n", encoding="utf-8")
     result = imagebuild("render", "--check", cwd=production_copy)
     assert result.returncode == 1
     assert drift_lines(result.stderr) == [("stale", "python/cuda-10.2-py3.7/Dockerfile")]
@@ -368,8 +368,9 @@ def test_check_fails_after_a_template_edit(imagebuild, production_copy, tmp_path
 def test_render_repairs_drift_and_removes_stale_files(imagebuild, production_copy):
     root = production_copy / "dockerfiles"
     (root / "paddle" / "obsolete").mkdir()
-    (root / "paddle" / "obsolete" / "Dockerfile").write_text("FROM scratch\n", encoding="utf-8")
-    (root / "release" / "paddle3.2.2-cuda12.9-cudnn9.9-py3.12-ubuntu22.04" / "Dockerfile").write_text("", encoding="utf-8")
+    (root / "paddle" / "obsolete" / "Dockerfile").write_text(f"{GENERATED_HEADER}\nFROM scratch\n", encoding="utf-8")
+    (root / "release" / "paddle3.2.2-cuda12.9-cudnn9.9-py3.12-ubuntu22.04" / "Dockerfile").write_text(
+        f"{GENERATED_HEADER}\n", encoding="utf-8")
     assert imagebuild("render", cwd=production_copy).returncode == 0
     assert not (root / "paddle" / "obsolete").exists()
     assert imagebuild("render", "--check", cwd=production_copy).returncode == 0

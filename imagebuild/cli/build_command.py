@@ -12,9 +12,18 @@ from .. import plan as planning
 from ..matrix import load_matrix
 from ..progress import progress_for
 from ..source import InputError
-from .common import (EXIT_FAILED, EXIT_INTERRUPTED, _revision, dockerfiles_dir, format_option,
-                     matrix_option, only_option, reports_input_errors, revision_option,
-                     stderr)
+from .common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    _revision,
+    dockerfiles_dir,
+    format_option,
+    matrix_option,
+    only_option,
+    reports_input_errors,
+    revision_option,
+    stderr,
+)
 
 
 @click.command()

@@ -14,9 +14,18 @@ from .. import plan as planning
 from ..matrix import load_matrix
 from ..render import check_tree, write_tree
 from ..support import load_support_table, version_key
-from .common import (EXIT_FAILED, _revision, dockerfiles_dir, format_option,
-                     matrix_option, only_option, registry_option, reports_input_errors, revision_option,
-                     stdout)
+from .common import (
+    EXIT_FAILED,
+    _revision,
+    dockerfiles_dir,
+    format_option,
+    matrix_option,
+    only_option,
+    registry_option,
+    reports_input_errors,
+    revision_option,
+    stdout,
+)
 
 
 @click.command()
@@ -173,6 +182,9 @@ def render(matrix_path: Path, out: Path | None, check: bool, output_format: str)
             click.echo(f"{root}: {len(drift)} file(s) differ from the matrix and templates:", err=True)
             for d in drift:
                 click.echo(f"  {d}", err=True)
+            if any(d.reason == "foreign" for d in drift):
+                click.echo("foreign files were not written by imagebuild: move them out; render will not "
+                           "replace or remove them", err=True)
             click.echo("run `imagebuild render` and commit the result", err=True)
         else:
             click.echo(f"{root}: {len(files)} files up to date")

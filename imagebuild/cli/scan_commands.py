@@ -12,8 +12,7 @@ from .. import build as building
 from .. import gate as gating
 from .. import scan as scanning
 from ..source import InputError, load_document
-from .common import (EXIT_FAILED, EXIT_INTERRUPTED, format_option,
-                     only_option, reports_input_errors, workdir_option)
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option, reports_input_errors, workdir_option
 
 
 @click.command()

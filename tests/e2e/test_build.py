@@ -119,6 +119,32 @@ def test_an_extra_layer_on_one_variant_builds_only_what_depends_on_it(built_exam
         next(v["digest"] for v in report["variants"] if v["id"] == CPU_VARIANT)
 
 
+def test_a_pip_requirement_with_operators_and_a_marker_installs_as_written(engine, tmp_path, fresh_repository):
+    # Unquoted, `>=1.16,` would redirect pip's output into a file and `<2` read its input
+    # from one that does not exist: the layer would fail, or install the wrong thing.
+    requirement = 'six>=1.16,<2; python_version >= "3.8"'
+    check = ("import six; v = tuple(int(p) for p in six.__version__.split('.')[:2]); "
+             "assert (1, 16) <= v < (2, 0), v")
+
+    def add_a_layer_with_an_operator_requirement(data):
+        data["repository"] = fresh_repository
+        data["extra_layers"] = [{"name": "operators", "when": {"paddle": "3.3.1"},
+                                 "pip": {"packages": [requirement]},
+                                 "run": [f"python -c \"{check}\"; test ! -e '=1.16,' && test ! -e /workspace/=1.16,"]}]
+
+    matrix = copy_matrix(tmp_path, add_a_layer_with_an_operator_requirement)
+    dockerfile = next((matrix.parent / "dockerfiles" / "extra").glob("*/Dockerfile")).read_text()
+    assert f"'{requirement}'" in dockerfile  # one quoted word on the pip line
+    run = imagebuild("build", "--matrix", str(matrix), "--workdir", str(tmp_path / "w"), "--only", "device=cpu")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "w" / "build-report.json").read_text())
+    assert layer_status(report)["extra/debian12-py3.11-paddle3.3.1-operators"] == "built"
+    [variant] = [v for v in report["variants"] if v["id"] == CPU_VARIANT]
+    out = engine.containers.run(variant["image"], ["python", "-c", f"{check}; print(six.__version__)"],
+                                remove=True, network_disabled=True).decode()
+    assert out.strip().splitlines()[-1].startswith("1.")
+
+
 def test_a_failed_layer_stops_only_its_descendants(built_example, tmp_path, fresh_repository):
     def break_the_gpu_variant(data):
         data["repository"] = fresh_repository
