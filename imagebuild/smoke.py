@@ -10,12 +10,12 @@ it needs nothing but the variant's record.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from .build import VariantRecord
 from .matrix import LAYER_KINDS, SMOKE_ALL, Combination, Matrix
 from .plan import Plan, Variant
+from .report import VariantRecord
 from .source import InputError
 
 STAGE = "smoke"
@@ -334,7 +334,7 @@ def require_smoke_passed(variant: VariantRecord | Mapping[str, Any]) -> str | No
     without the abi tier, and one rebuilt since it was tested (its digest moved).
     """
     if isinstance(variant, VariantRecord):
-        variant = asdict(variant)
+        variant = variant.to_dict()
     name = variant.get("id", "?")
     stage = (variant.get("stages") or {}).get(STAGE)
     if not stage:

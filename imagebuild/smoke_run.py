@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .build import BuildReport, record_stage
 from .smoke import (
     STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify, first_line,
     expectations_from_labels, parse_junit, select_records, target_for_record, target_from_labels,
 )
+from .report import BuildReport, SmokeStage, record_stage
 from .source import InputError
 from .tools import ToolMissing
 
@@ -339,8 +339,8 @@ def _short(exc: BaseException) -> str:
 
 
 def record_results(report_path: Path, results: Iterable[SmokeResult]) -> None:
-    """Put each result into its variant's `stages["smoke"]` (see build.record_stage)."""
-    record_stage(report_path, STAGE, {r.name: r.stage() for r in results})
+    """Put each result into its variant's `stages["smoke"]` (see report.record_stage)."""
+    record_stage(report_path, STAGE, {r.name: SmokeStage.from_dict(r.stage()) for r in results})
 
 
 def report_matrix_path(report: BuildReport, report_path: Path, override: Path | None) -> Path:
@@ -403,8 +403,9 @@ def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...
             else:
                 expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
                                                 runner.wants_gpu(target.device))
+                previous = rec.stage(SmokeStage)
                 result = runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
-                                        previous=rec.stages.get(STAGE), pull_s=pull_s)
+                                        previous=previous.to_dict() if previous else None, pull_s=pull_s)
         record_results(report_path, [result])
         results.append(result)
         on_result(result)

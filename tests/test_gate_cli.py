@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from imagebuild.build import BuildReport, LayerRecord, VariantRecord
+from imagebuild.report import BuildReport, GateStage, LayerRecord, ScanStage, StageStatus, VariantRecord
 
 from .trivy_reports import CPU, DIGEST, GPU, misconfig, os_pkgs, report, secret, vuln
 
@@ -76,11 +76,13 @@ def test_the_verdict_is_recorded_per_variant_in_the_build_report(tmp_path, image
     workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
     imagebuild("gate", "--workdir", workdir, "--policy", write_policy(tmp_path, ""))
     variants = {v.id: v for v in BuildReport.read(workdir / "build-report.json").variants}
-    assert variants[CPU].stages["gate"]["status"] == "passed"
-    assert variants[GPU].stages["gate"]["status"] == "failed"
-    assert variants[GPU].stages["gate"]["digest"] == DIGEST
-    assert [b["id"] for b in variants[GPU].stages["gate"]["blocking"]] == ["CVE-2024-28757"]
-    assert variants[CPU].stages["scan"]["status"] == "ok"  # other stages are left as they were
+    cpu_gate, gpu_gate = variants[CPU].stage(GateStage), variants[GPU].stage(GateStage)
+    assert cpu_gate is not None and cpu_gate.status == StageStatus.PASSED
+    assert gpu_gate is not None and gpu_gate.status == StageStatus.FAILED
+    assert gpu_gate.digest == DIGEST
+    assert [b["id"] for b in gpu_gate.blocking] == ["CVE-2024-28757"]
+    scan = variants[CPU].stage(ScanStage)  # other stages are left as they were
+    assert scan is not None and scan.status == StageStatus.OK
 
 
 def test_an_excepted_finding_passes_and_the_table_says_until_when(tmp_path, imagebuild):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild import scan
-from imagebuild.build import BuildReport, VariantRecord
+from imagebuild.report import BuildReport, VariantRecord
 from imagebuild.tools import ToolMissing
 
 REPO = Path(__file__).resolve().parent.parent

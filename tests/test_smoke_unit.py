@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import VariantRecord
+from imagebuild.report import VariantRecord
 from imagebuild.matrix import load_matrix
 from imagebuild.plan import build_plan
 from imagebuild.smoke import (

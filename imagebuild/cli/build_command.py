@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from .. import build as building
+from .. import report as reporting
 from .. import plan as planning
 from ..matrix import load_matrix
 from ..progress import progress_for
@@ -80,7 +81,7 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
         sys.exit(EXIT_FAILED)
 
 
-def print_build_summary(report: building.BuildReport, path: Path, output_format: str) -> None:
+def print_build_summary(report: reporting.BuildReport, path: Path, output_format: str) -> None:
     summary = report.summary()
     if output_format == "json":
         click.echo(json.dumps({"report": str(path), "status": report.status, "layers": summary,

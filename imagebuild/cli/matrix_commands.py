@@ -10,6 +10,7 @@ import click
 from rich.table import Table
 
 from .. import build as building
+from .. import report as reporting
 from .. import plan as planning
 from ..matrix import load_matrix
 from ..render import check_tree, write_tree
@@ -68,7 +69,7 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
         print_plan(the_plan, selected)
 
 
-def print_registry_plan(the_plan: planning.Plan, report: building.BuildReport) -> None:
+def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) -> None:
     table = Table(title=f"{the_plan.cache_ref}: layers for {len(report.variants)} variant(s)")
     for column in ("layer", "key", "status"):
         table.add_column(column)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from .. import build as building
+from .. import report as reporting
 from .. import gate as gating
 from .. import scan as scanning
 from ..source import InputError, load_document
@@ -51,7 +52,7 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     report_path = workdir / "build-report.json"
-    report = building.BuildReport.read(report_path)
+    report = reporting.BuildReport.read(report_path)
     variants = scanning.select(report, only)
     if not variants:
         raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
@@ -61,7 +62,7 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
         insecure_registries=insecure_registries)
     trivy = scanning.Trivy.find()
 
-    def progress(event: str, variant: building.VariantRecord, record: dict) -> None:
+    def progress(event: str, variant: reporting.VariantRecord, record: dict) -> None:
         if event == "start":
             click.echo(f"scanning {variant.id} ({variant.image})", err=True)
         else:
@@ -132,7 +133,7 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
     """
     policy = gating.parse_policy(load_document(policy_path))  # malformed: one line, exit 2, nothing written
     report_path = workdir / "build-report.json"
-    report = building.BuildReport.read(report_path)
+    report = reporting.BuildReport.read(report_path)
     variants = scanning.select(report, only)
     if not variants:
         raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
@@ -140,8 +141,8 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
     result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
     records = {}
     for variant, verdict in zip(variants, result.images):
-        variant.stages["gate"] = records[variant.id] = gating.stage_record(verdict, result)
-    building.record_stage(report_path, "gate", records)
+        variant.stages["gate"] = records[variant.id] = reporting.GateStage.from_dict(gating.stage_record(verdict, result))
+    reporting.record_stage(report_path, "gate", records)
     locations, root = _sarif_locations(variants)
     sarif = gating.to_sarif(result, tool_version=_version(), locations=locations, dockerfiles_root=root)
     record = gating.to_json(result)
@@ -167,20 +168,20 @@ def _version() -> str:
         return "0"
 
 
-def _sarif_locations(variants: list[building.VariantRecord]) -> tuple[dict[str, str], str]:
+def _sarif_locations(variants: list[reporting.VariantRecord]) -> tuple[dict[str, str], str]:
     """Each variant's release Dockerfile, relative to here when it can be: code scanning wants repository paths."""
     locations, root = {}, ""
     for v in variants:
-        record = v.stages.get("scan") or {}
-        if not record.get("dockerfiles"):
+        record = v.stage(reporting.ScanStage)
+        if record is None or not record.dockerfiles:
             continue
-        base = Path(record.get("dockerfiles_root", ""))
+        base = Path(record.dockerfiles_root or "")
         try:
             base = base.resolve().relative_to(Path.cwd())
         except ValueError:
             pass
         root = str(base)
-        locations[v.id] = f"{base}/{record['dockerfiles'][-1]}"
+        locations[v.id] = f"{base}/{record.dockerfiles[-1]}"
     return locations, root
 
 
