@@ -368,25 +368,3 @@ def _check_unique_tags(matrix: Matrix, variants: list[Variant]) -> None:
                                             f"tag '{tag}' is given to both {owner[tag]} and {v.id}; "
                                             "add {py_suffix} or {os} to the template")
             owner[tag] = v.id
-
-
-def variant_selector(plan: Plan, selectors: tuple[str, ...]) -> list[Variant]:
-    """--only: variant ids, or axis=value pairs (os=, cuda=, python=, paddle=, device=)."""
-    if not selectors:
-        return list(plan.variants)
-    chosen = []
-    for v in plan.variants:
-        for sel in selectors:
-            if sel == v.id or _axis_match(v, sel):
-                chosen.append(v)
-                break
-    return chosen
-
-
-def _axis_match(v: Variant, selector: str) -> bool:
-    if "=" not in selector:
-        return False
-    axis, _, value = selector.partition("=")
-    actual = {"os": v.os, "cuda": v.cuda or "cpu", "python": v.python, "paddle": v.paddle,
-              "device": v.device, "cudnn": v.cudnn or "none"}.get(axis.strip())
-    return actual is not None and actual == value.strip()

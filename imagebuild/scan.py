@@ -254,22 +254,6 @@ def _tail(output: str, lines: int = 12) -> str:
 # --- the whole report ------------------------------------------------------------------------------
 
 
-def select(report: BuildReport, only: Iterable[str]) -> list[VariantRecord]:
-    """--only on a build report: variant ids, or device=, paddle=, python=, cuda= (cpu for none)."""
-    only = list(only)
-    if not only:
-        return list(report.variants)
-
-    def fits(v: VariantRecord, selector: str) -> bool:
-        if selector == v.id:
-            return True
-        axis, sep, value = selector.partition("=")
-        fields = {"device": v.device, "paddle": v.paddle, "python": v.python, "cuda": v.cuda or "cpu"}
-        return bool(sep) and fields.get(axis.strip()) == value.strip()
-
-    return [v for v in report.variants if any(fits(v, s) for s in only)]
-
-
 def dockerfiles_of(report: BuildReport, variant: VariantRecord) -> list[str]:
     """The rendered Dockerfiles of a variant's chain, relative to the dockerfiles folder, root first."""
     return [f"{report.layer(key).path}/Dockerfile" for key in variant.chain]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from .matrix import LAYER_KINDS, SMOKE_ALL, Combination, Matrix
 from .plan import Plan, Variant
@@ -203,23 +203,6 @@ def expectations_from_labels(target: Target, labels: Mapping[str, str], gpu_requ
         libraries=cuda_libraries(target.cuda, target.cudnn),
         labels_expected={key: labels[key] for key in REQUIRED_LABELS}, labels_actual=dict(labels),
         gpu_requested=gpu_requested)
-
-
-def select_records(records: Iterable[VariantRecord], selectors: tuple[str, ...]) -> list[VariantRecord]:
-    """--only: variant ids, or axis=value (device=, paddle=, python=, cuda=, cudnn=)."""
-    records = list(records)
-    if not selectors:
-        return records
-
-    def matches(rec: VariantRecord, selector: str) -> bool:
-        if selector == rec.id:
-            return True
-        axis, sep, value = selector.partition("=")
-        fields = {"device": rec.device, "paddle": rec.paddle, "python": rec.python,
-                  "cuda": rec.cuda or "cpu", "cudnn": rec.cudnn or "none"}
-        return bool(sep) and fields.get(axis.strip()) == value.strip()
-
-    return [rec for rec in records if any(matches(rec, s) for s in selectors)]
 
 
 # --- results (pure) -------------------------------------------------------------------------

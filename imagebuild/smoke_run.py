@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .smoke import (
-    STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify, first_line,
-    expectations_from_labels, parse_junit, select_records, target_for_record, target_from_labels,
-)
 from .report import BuildReport, SmokeStage, record_stage
+from .selection import Selection
+from .smoke import (
+    STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify,
+    expectations_from_labels, first_line, parse_junit, target_for_record, target_from_labels,
+)
 from .source import InputError
 from .tools import ToolMissing
 
@@ -370,7 +371,7 @@ def _error(name: str, variant: str, image: str, digest: str | None, reason: str)
     return SmokeResult(name=name, variant=variant, image=image, digest=digest, status="error", reason=reason)
 
 
-def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...],
+def run_report(report_path: Path, matrix_path: Path | None, selection: Selection,
                make_runner: Callable[[], SmokeRunner],
                on_result: Callable[[SmokeResult], None] = lambda r: None) -> list[SmokeResult]:
     """Every (selected) variant of a build report; each result goes into the report at once.
@@ -381,9 +382,7 @@ def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...
     import docker.errors
 
     report = BuildReport.read(report_path)
-    records = select_records(report.variants, only)
-    if not records:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    records = selection.choose(report.variants, str(report_path))
     ctx = load_context(report_matrix_path(report, report_path, matrix_path))
     for rec in records:  # all of them before the first container: bad input costs nothing
         if ctx.find(rec.id) is None:

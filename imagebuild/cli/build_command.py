@@ -9,13 +9,12 @@ import click
 
 from .. import build as building
 from .. import report as reporting
-from .. import plan as planning
 from ..matrix import load_matrix
 from ..progress import progress_for
+from ..selection import Selection
 from ..source import InputError
 from .common import (EXIT_FAILED, EXIT_INTERRUPTED, _revision, dockerfiles_dir, format_option,
-                     matrix_option, only_option, reports_input_errors, revision_option,
-                     stderr)
+                     matrix_option, only_option, reports_input_errors, revision_option, stderr)
 
 
 @click.command()
@@ -46,12 +45,11 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
       imagebuild build --only device=cpu --jobs 4
       imagebuild build --dry-run --format json     # what would be built
     """
+    selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
     the_plan = building.prepare(matrix, rev, created)
-    variants = planning.variant_selector(the_plan, only)
-    if not variants:
-        raise InputError(str(matrix_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    variants = selection.choose(the_plan.variants, str(matrix_path))
     report = building.registry_plan(the_plan, variants)
     report.revision = rev
     overrides = {}

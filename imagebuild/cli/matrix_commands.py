@@ -10,14 +10,14 @@ import click
 from rich.table import Table
 
 from .. import build as building
-from .. import report as reporting
 from .. import plan as planning
+from .. import report as reporting
 from ..matrix import load_matrix
 from ..render import check_tree, write_tree
+from ..selection import Selection
 from ..support import load_support_table, version_key
-from .common import (EXIT_FAILED, _revision, dockerfiles_dir, format_option,
-                     matrix_option, only_option, registry_option, reports_input_errors, revision_option,
-                     stdout)
+from .common import (EXIT_FAILED, _revision, dockerfiles_dir, format_option, matrix_option,
+                     only_option, registry_option, reports_input_errors, revision_option, stdout)
 
 
 @click.command()
@@ -40,11 +40,12 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
       imagebuild plan --format json | jq '.variants[].tags'
       imagebuild plan --format github-matrix   # strategy.matrix for GitHub Actions
     """
+    selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
     if use_registry:
         the_plan = building.prepare(matrix, rev, created)
-        report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only),
+        report = building.registry_plan(the_plan, selection.choose(the_plan.variants, str(matrix_path)),
                                         resolve_digests=output_format != "table")
         if output_format == "table":
             print_registry_plan(the_plan, report)
@@ -60,7 +61,7 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
             click.echo(json.dumps(record, indent=2))
         return
     the_plan = planning.build_plan(matrix, revision=rev, created=created)
-    selected = set(v.id for v in planning.variant_selector(the_plan, only))
+    selected = {v.id for v in selection.choose(the_plan.variants, str(matrix_path))}
     if output_format == "json":
         click.echo(json.dumps(plan_record(the_plan, selected), indent=2))
     elif output_format == "github-matrix":

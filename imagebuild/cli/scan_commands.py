@@ -8,13 +8,13 @@ from pathlib import Path
 
 import click
 
-from .. import build as building
-from .. import report as reporting
 from .. import gate as gating
+from .. import report as reporting
 from .. import scan as scanning
+from ..selection import Selection
 from ..source import InputError, load_document
-from .common import (EXIT_FAILED, EXIT_INTERRUPTED, format_option,
-                     only_option, reports_input_errors, workdir_option)
+from .common import (EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option,
+                     reports_input_errors, workdir_option)
 
 
 @click.command()
@@ -49,13 +49,12 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
       imagebuild scan --offline --cache-dir /srv/trivy   # a DB already in /srv/trivy/db
       imagebuild scan --only device=cpu --format json
     """
+    selection = Selection.parse(only)
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     report_path = workdir / "build-report.json"
     report = reporting.BuildReport.read(report_path)
-    variants = scanning.select(report, only)
-    if not variants:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    variants = selection.choose(report.variants, str(report_path))
     options = scanning.ScanOptions(
         workdir=workdir, dockerfiles=dockerfiles or Path(report.matrix).parent / "dockerfiles",
         cache_dir=cache_dir, offline=offline, db_repository=db_repository, timeout=timeout,
@@ -131,12 +130,11 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
       imagebuild gate --strict --format sarif > gate.sarif
       imagebuild gate --policy policies/vulnerabilities.yaml --format json
     """
+    selection = Selection.parse(only)
     policy = gating.parse_policy(load_document(policy_path))  # malformed: one line, exit 2, nothing written
     report_path = workdir / "build-report.json"
     report = reporting.BuildReport.read(report_path)
-    variants = scanning.select(report, only)
-    if not variants:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    variants = selection.choose(report.variants, str(report_path))
     scans = scanning.image_scans(report, report_path, variants)
     result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
     records = {}
