@@ -15,10 +15,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from .matrix import Matrix
-from .plan import Plan, Variant, build_plan
+from .plan import Plan, Variant, build_plan, plan_record
 from .registry import ImageRef, Registry, RegistryError, head_many
 from .render import check_tree
 from .report import (
@@ -114,6 +114,19 @@ def registry_plan(plan: Plan, variants: Iterable[Variant], resolve_digests: bool
     return BuildReport(matrix=plan.matrix_file, revision="", registry=plan.registry,
                        repository=plan.repository_ref, cache_repository=plan.cache_ref,
                        created=_now(), variants=records, layers=layers, status=ReportStatus.PLANNED)
+
+
+def registry_plan_record(plan: Plan, report: BuildReport) -> dict[str, Any]:
+    """`plan --registry --format json`: the plan's record, each layer with what the registry holds."""
+    record = plan_record(plan)
+    status = {rec.key: rec for rec in report.layers}
+    for layer in record["layers"]:
+        rec = status.get(layer["key"])
+        layer["status"] = rec.status.value if rec else "not-selected"
+        layer["digest"] = rec.digest if rec else None
+    record["summary"] |= {"to_build": sum(r.status == LayerStatus.TO_BUILD for r in report.layers),
+                          "reused": sum(r.status == LayerStatus.REUSED for r in report.layers)}
+    return record
 
 
 def _now() -> str:
@@ -292,6 +305,17 @@ class SecretFiles:
     def close(self) -> None:
         if self._tmp:
             self._tmp.cleanup()
+
+
+def parse_secret_overrides(items: Iterable[str]) -> dict[str, str]:
+    """--secret ID=PATH options -> {id: path}."""
+    overrides = {}
+    for item in items:
+        sid, sep, path = item.partition("=")
+        if not sep or not sid or not path:
+            raise InputError("--secret", None, item, "expected ID=PATH")
+        overrides[sid] = path
+    return overrides
 
 
 def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None) -> SecretFiles:

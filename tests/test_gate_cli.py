@@ -154,3 +154,19 @@ def test_sarif_is_valid_sarif_2_1_0(tmp_path, imagebuild):
     assert expired["artifactLocation"]["uri"] == str(policy) and expired["region"]["startLine"] == 6
     rules = sarif_run["tool"]["driver"]["rules"]
     assert all(results[r]["ruleIndex"] == [rule["id"] for rule in rules].index(r) for r in results)
+
+
+def test_run_gate_judges_records_and_writes_without_the_cli(tmp_path):
+    """The orchestration lives in gate_run, so sign/push/CI can run the gate as a function."""
+    import datetime as dt
+
+    from imagebuild.gate_run import run_gate
+    from imagebuild.selection import Selection
+
+    workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
+    outcome = run_gate(workdir, write_policy(tmp_path, ""), Selection.parse([f"id={GPU}"]), today=dt.date(2027, 1, 1))
+    assert not outcome.passed and [image.variant for image in outcome.result.images] == [GPU]
+    assert json.loads(outcome.result_path.read_text()) == outcome.record and outcome.record["today"] == "2027-01-01"
+    assert json.loads(outcome.sarif_path.read_text()) == outcome.sarif
+    variants = {v.id: v for v in BuildReport.read(workdir / "build-report.json").variants}
+    assert variants[GPU].stage(GateStage) is not None and variants[CPU].stage(GateStage) is None

@@ -12,7 +12,6 @@ from .. import report as reporting
 from ..matrix import load_matrix
 from ..progress import progress_for
 from ..selection import Selection
-from ..source import InputError
 from .common import (EXIT_FAILED, EXIT_INTERRUPTED, _revision, dockerfiles_dir, format_option,
                      matrix_option, only_option, reports_input_errors, revision_option, stderr)
 
@@ -52,13 +51,7 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
     variants = selection.choose(the_plan.variants, str(matrix_path))
     report = building.registry_plan(the_plan, variants)
     report.revision = rev
-    overrides = {}
-    for item in secret_overrides:
-        sid, sep, path = item.partition("=")
-        if not sep or not sid or not path:
-            raise InputError("--secret", None, item, "expected ID=PATH")
-        overrides[sid] = path
-    secrets = building.secret_files(matrix, overrides)
+    secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
                                     workdir=workdir, secrets=secrets.paths, secret_values=secrets.values)

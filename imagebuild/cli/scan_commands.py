@@ -1,7 +1,6 @@
 """imagebuild scan and gate: Trivy over the built images, then the vulnerability policy."""
 from __future__ import annotations
 
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -11,8 +10,9 @@ import click
 from .. import gate as gating
 from .. import report as reporting
 from .. import scan as scanning
+from ..gate_run import run_gate
 from ..selection import Selection
-from ..source import InputError, load_document
+from ..source import InputError
 from .common import (EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option,
                      reports_input_errors, workdir_option)
 
@@ -130,57 +130,15 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
       imagebuild gate --strict --format sarif > gate.sarif
       imagebuild gate --policy policies/vulnerabilities.yaml --format json
     """
-    selection = Selection.parse(only)
-    policy = gating.parse_policy(load_document(policy_path))  # malformed: one line, exit 2, nothing written
-    report_path = workdir / "build-report.json"
-    report = reporting.BuildReport.read(report_path)
-    variants = selection.choose(report.variants, str(report_path))
-    scans = scanning.image_scans(report, report_path, variants)
-    result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
-    records = {}
-    for variant, verdict in zip(variants, result.images):
-        variant.stages["gate"] = records[variant.id] = reporting.GateStage.from_dict(gating.stage_record(verdict, result))
-    reporting.record_stage(report_path, "gate", records)
-    locations, root = _sarif_locations(variants)
-    sarif = gating.to_sarif(result, tool_version=_version(), locations=locations, dockerfiles_root=root)
-    record = gating.to_json(result)
-    out = workdir / "gate"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    (out / "result.sarif").write_text(json.dumps(sarif, indent=2) + "\n", encoding="utf-8")
+    outcome = run_gate(workdir, policy_path, Selection.parse(only), strict=strict)
     if output_format == "json":
-        click.echo(json.dumps(record, indent=2))
+        click.echo(json.dumps(outcome.record, indent=2))
     elif output_format == "sarif":
-        click.echo(json.dumps(sarif, indent=2))
+        click.echo(json.dumps(outcome.sarif, indent=2))
     else:
-        print_gate(result)
-    if not result.passed:
+        print_gate(outcome.result)
+    if not outcome.passed:
         sys.exit(EXIT_FAILED)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("imagebuild")
-    except PackageNotFoundError:
-        return "0"
-
-
-def _sarif_locations(variants: list[reporting.VariantRecord]) -> tuple[dict[str, str], str]:
-    """Each variant's release Dockerfile, relative to here when it can be: code scanning wants repository paths."""
-    locations, root = {}, ""
-    for v in variants:
-        record = v.stage(reporting.ScanStage)
-        if record is None or not record.dockerfiles:
-            continue
-        base = Path(record.dockerfiles_root or "")
-        try:
-            base = base.resolve().relative_to(Path.cwd())
-        except ValueError:
-            pass
-        root = str(base)
-        locations[v.id] = f"{base}/{record.dockerfiles[-1]}"
-    return locations, root
 
 
 def print_gate(result: gating.GateResult) -> None:
