@@ -401,19 +401,26 @@ def update_report(report_path: Path, *, create: bool = False) -> Iterator[dict[s
     Under the lock the file is read afresh, so nothing another writer recorded is lost; it is
     written to a temp file in the same folder, fsynced and renamed over the report (keeping its
     permissions), so a reader never sees half a report. An exception inside the block writes
-    nothing. With `create`, a missing report starts as {} (new files get 0644 less the umask).
+    nothing. With `create` (the build, which writes the whole report), a missing or unreadable
+    report starts as {}; new files get 0644 less the umask.
     """
     with report_lock(report_path):
+        mode: int | None = None
         try:
+            mode = report_path.stat().st_mode & 0o777
             data = json.loads(report_path.read_text(encoding="utf-8"))
-            mode: int | None = report_path.stat().st_mode & 0o777
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
         except FileNotFoundError:
             if not create:
                 raise InputError(str(report_path), None, "",
                                  "build report not found (run imagebuild build first)") from None
-            data, mode = {}, None
-        except json.JSONDecodeError as exc:
-            raise InputError(str(report_path), exc.lineno, "", f"not JSON: {exc.msg}") from None
+            data = {}
+        except ValueError as exc:  # JSONDecodeError included
+            if not create:
+                raise InputError(str(report_path), getattr(exc, "lineno", None), "",
+                                 f"not a build report: {getattr(exc, 'msg', exc)}") from None
+            data = {}
         yield data
         _replace(report_path, json.dumps(data, indent=2) + "\n", mode)
 

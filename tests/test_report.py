@@ -226,3 +226,13 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_build_writes_over_a_report_it_cannot_read_and_a_stage_refuses_it(tmp_path):
+    path = tmp_path / "build-report.json"
+    path.write_text("{half a report")
+    with pytest.raises(InputError, match="not a build report"):
+        record_stage(path, "scan", {"v-cpu": {"status": "ok"}})
+    assert path.read_text() == "{half a report"
+    sample_report().write(path)
+    assert BuildReport.read(path).variants[0].id == "v-cpu"
