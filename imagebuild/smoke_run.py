@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Mapping
 from .report import BuildReport, SmokeStage, record_stage
 from .selection import Selection
 from .smoke import (
-    STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify,
-    expectations_from_labels, first_line, parse_junit, target_for_record, target_from_labels,
+    STAGE, TIERS, Expectations, JunitSummary, MatrixContext, SmokeResult, Target, classify, first_line,
+    expectations_from_labels, parse_junit, target_for_record, target_from_labels,
 )
 from .source import InputError
 from .tools import ToolMissing
