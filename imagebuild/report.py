@@ -77,6 +77,7 @@ class StageStatus(_Word):
     FAILED = "failed"
     ERROR = "error"  # smoke: the suite could not run (timeout, no JUnit, docker error)
     SKIPPED = "skipped"  # scan: the variant was not built
+    INTERRUPTED = "interrupted"  # the stage was cancelled while it ran for this variant
 
 
 def _status(kind: type[_Word], value: Any) -> Any:
@@ -453,11 +454,14 @@ def record_stage(report_path: Path, stage: str, by_variant: Mapping[str, Stage |
     """Put each variant's result for one stage into the report (`stages[stage]`), under the lock.
 
     Only that stage of those variants changes; whatever the build or another stage wrote in
-    the meantime stays. Records may be typed (a registered StageRecord) or plain dicts.
+    the meantime stays. Records may be typed (a registered StageRecord) or plain dicts; a dict
+    for a typed stage is checked against its record (ValueError for an unknown status word).
     """
     for record in by_variant.values():
         if isinstance(record, StageRecord) and record.STAGE != stage:
             raise ValueError(f"a {type(record).__name__} is the {record.STAGE} stage's record, not {stage}'s")
+        if not isinstance(record, StageRecord):
+            parse_stage(stage, record)  # a dict for a typed stage must read back (known status word)
     with update_report(report_path) as data:
         for variant in data.get("variants", []):
             if variant.get("id") in by_variant:

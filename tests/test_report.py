@@ -38,7 +38,7 @@ def test_status_words_serialise_as_the_strings_reports_always_held():
     assert [s.value for s in LayerStatus] == ["pending", "to-build", "reused", "building", "built", "failed", "skipped"]
     assert [s.value for s in VariantStatus] == ["pending", "built", "failed"]
     assert [s.value for s in ReportStatus] == ["pending", "planned", "ok", "failed", "interrupted"]
-    assert {s.value for s in StageStatus} == {"ok", "passed", "failed", "error", "skipped"}
+    assert {s.value for s in StageStatus} == {"ok", "passed", "failed", "error", "skipped", "interrupted"}
     assert json.dumps([LayerStatus.TO_BUILD, StageStatus.PASSED]) == '["to-build", "passed"]'
     assert f"{VariantStatus.BUILT:8}|{ReportStatus.OK}" == "built   |ok"
 
@@ -95,6 +95,9 @@ def test_a_typed_record_goes_only_under_its_own_stage(tmp_path):
     sample_report().write(path)
     with pytest.raises(ValueError, match="gate"):
         record_stage(path, "scan", {"v-cpu": GateStage(status="passed")})
+    with pytest.raises(ValueError, match="fine"):
+        record_stage(path, "smoke", {"v-cpu": {"status": "fine"}})  # would not read back
+    assert all(not v.stages for v in BuildReport.read(path).variants)
 
 
 # --- the one read-modify-write ------------------------------------------------------------------------
