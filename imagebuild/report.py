@@ -386,7 +386,6 @@ class BuildReport(_StatusField):
 @contextlib.contextmanager
 def report_lock(report_path: Path) -> Iterator[None]:
     """Exclusive across processes: fcntl on `<report>.lock` (the report itself is replaced, not locked)."""
-    report_path.parent.mkdir(parents=True, exist_ok=True)
     with open(report_path.with_name(report_path.name + ".lock"), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -405,6 +404,10 @@ def update_report(report_path: Path, *, create: bool = False) -> Iterator[dict[s
     nothing. With `create` (the build, which writes the whole report), a missing or unreadable
     report starts as {}; new files get 0644 less the umask.
     """
+    if create:
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+    elif not report_path.is_file():  # before the lock: bad input leaves no lock file behind either
+        raise InputError(str(report_path), None, "", "build report not found (run imagebuild build first)")
     with report_lock(report_path):
         mode: int | None = None
         try:

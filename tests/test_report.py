@@ -128,9 +128,10 @@ def test_an_error_inside_an_update_writes_nothing(tmp_path):
     assert path.read_text() == before
 
 
-def test_recording_into_a_missing_report_is_bad_input(tmp_path):
+def test_recording_into_a_missing_report_is_bad_input_and_creates_nothing(tmp_path):
     with pytest.raises(InputError, match="build report not found"):
-        record_stage(tmp_path / "build-report.json", "scan", {"v": {"status": "ok"}})
+        record_stage(tmp_path / "w" / "build-report.json", "scan", {"v": {"status": "ok"}})
+    assert not (tmp_path / "w").exists()
 
 
 def test_the_builds_write_keeps_stages_recorded_meanwhile_by_other_processes(tmp_path):
