@@ -12,10 +12,21 @@ Who owns what: the build owns everything but `stages`; each stage owns its own
 entry already on disk for the same build run (`run_id`), and `record_stage` changes only
 its own entry.
 
-A stage with a typed record registers it (`@stage_record("sign")` on a dataclass with a
-`status: StageStatus` field): `BuildReport.read` turns that stage's dict into the record,
-and `record_stage` writes the record's `to_dict()`. A stage no class is registered for
-(one a newer imagebuild wrote) is kept as the dict it is, and written back unchanged.
+A stage with a typed record registers it here, beside the others, so that every reader
+knows it: `BuildReport.read` turns that stage's dict into the record, and `record_stage`
+writes the record's `to_dict()`. A stage no class is registered for (one a newer imagebuild
+wrote) is kept as the dict it is, and written back unchanged. For a new stage:
+
+    @stage_record("sign")
+    @dataclass
+    class SignStage(StageRecord):
+        status: StageStatus
+        digest: str | None = None  # the image signed
+        signature: str | None = None
+        extra: dict[str, Any] = field(default_factory=dict)  # always last
+
+    record_stage(report_path, "sign", {variant.id: SignStage(status="passed", digest=...)})
+    BuildReport.read(report_path).variants[0].stage(SignStage)  # -> SignStage | None
 """
 from __future__ import annotations
 
