@@ -1,4 +1,4 @@
-"""BuildKit builds in layer order against a registry-aware plan; the build report.
+"""BuildKit builds in layer order against a registry-aware plan (the report's model is report.py).
 
 Each layer image lives in the cache repository under its content key
 (`<registry>/<project>/<cache>:<kind>-<key>`); a child builds FROM its parent by digest.
@@ -6,146 +6,32 @@ A variant gets its release tags only once its whole chain is in the registry.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import fcntl
-import json
 import os
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .matrix import Matrix
-from .plan import Plan, Variant, build_plan
+from .plan import Plan, Variant, build_plan, plan_record
 from .registry import ImageRef, Registry, RegistryError, head_many
 from .render import check_tree
+from .report import (
+    BuildReport,
+    LayerRecord,
+    LayerStatus,
+    ReportStatus,
+    VariantRecord,
+    VariantStatus,
+)
 from .source import InputError
 from .tools import Runner, docker_cli
-
-REPORT_SCHEMA = "imagebuild.build-report/v1"
-
-
-# --- the record ---------------------------------------------------------------------
-
-
-@dataclass
-class LayerRecord:
-    key: str
-    kind: str
-    path: str
-    image: str  # cache repository reference with tag
-    status: str = "pending"  # to-build, reused, built, failed, skipped
-    digest: str | None = None
-    base_digest: str | None = None  # the image it was built FROM
-    duration_s: float | None = None
-    log: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class VariantRecord:
-    id: str
-    tags: list[str]
-    images: list[str]
-    chain: list[str]
-    device: str
-    paddle: str
-    python: str
-    cuda: str | None
-    cudnn: str | None
-    status: str = "pending"  # built, failed, skipped
-    digest: str | None = None
-    image: str | None = None  # repository@digest
-    stages: dict[str, dict] = field(default_factory=dict)  # later stages add their results here
-
-
-@dataclass
-class BuildReport:
-    matrix: str
-    revision: str
-    registry: str
-    repository: str
-    cache_repository: str
-    created: str
-    variants: list[VariantRecord]
-    layers: list[LayerRecord]
-    status: str = "pending"  # ok, failed, interrupted, planned
-    schema: str = REPORT_SCHEMA
-
-    def layer(self, key: str) -> LayerRecord:
-        return next(rec for rec in self.layers if rec.key == key)
-
-    def summary(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for rec in self.layers:
-            counts[rec.status] = counts.get(rec.status, 0) + 1
-        return counts
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["summary"] = self.summary()
-        return json.dumps(data, indent=2)
-
-    def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json() + "\n", encoding="utf-8")
-        tmp.replace(path)  # a reader never sees half a report
-
-    @classmethod
-    def read(cls, path: Path) -> BuildReport:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(str(path), None, "", "build report not found (run imagebuild build first)") from None
-        except json.JSONDecodeError as exc:
-            raise InputError(str(path), exc.lineno, "", f"not JSON: {exc.msg}") from None
-        if data.get("schema") != REPORT_SCHEMA:
-            raise InputError(str(path), None, "schema", f"expected {REPORT_SCHEMA}, got {data.get('schema')!r}")
-        data.pop("summary", None)
-        data["variants"] = [VariantRecord(**v) for v in data["variants"]]
-        data["layers"] = [LayerRecord(**rec) for rec in data["layers"]]
-        return cls(**data)
-
-
-def record_stage(report_path: Path, stage: str, by_variant: dict[str, dict[str, Any]]) -> None:
-    """Put each variant's result for one stage into the report, atomically and under a lock.
-
-    The file is read again and only this stage is changed, so what another stage (smoke,
-    scan, gate) wrote in the meantime stays; a reader never sees half a file.
-    """
-    with _report_lock(report_path):
-        data = json.loads(report_path.read_text(encoding="utf-8"))
-        for variant in data.get("variants", []):
-            if variant.get("id") in by_variant:
-                variant.setdefault("stages", {})[stage] = by_variant[variant["id"]]
-        mode = report_path.stat().st_mode & 0o777  # keep whatever permissions the report had
-        fd, tmp = tempfile.mkstemp(prefix=".build-report-", suffix=".tmp", dir=report_path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(json.dumps(data, indent=2) + "\n")
-            os.chmod(tmp, mode)
-            os.replace(tmp, report_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-@contextlib.contextmanager
-def _report_lock(report_path: Path) -> Iterator[None]:
-    with open(report_path.with_name(report_path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
 
 # --- planning against the registry ----------------------------------------------------
 
@@ -219,16 +105,29 @@ def registry_plan(plan: Plan, variants: Iterable[Variant], resolve_digests: bool
         digest = found.get((cache.repository, layer.cache_tag))
         layers.append(LayerRecord(key=key, kind=layer.kind, path=layer.path,
                                   image=f"{plan.cache_ref}:{layer.cache_tag}",
-                                  status="reused" if exists else "to-build", digest=digest))
+                                  status=LayerStatus.REUSED if exists else LayerStatus.TO_BUILD, digest=digest))
     records = [
         VariantRecord(id=v.id, tags=list(v.tags), images=[f"{plan.repository_ref}:{t}" for t in v.tags],
                       chain=list(v.chain), device=v.device, paddle=v.paddle, python=v.python,
-                      cuda=v.cuda, cudnn=v.cudnn)
+                      cuda=v.cuda, cudnn=v.cudnn, os=v.os)
         for v in variants
     ]
     return BuildReport(matrix=plan.matrix_file, revision="", registry=plan.registry,
                        repository=plan.repository_ref, cache_repository=plan.cache_ref,
-                       created=_now(), variants=records, layers=layers, status="planned")
+                       created=_now(), variants=records, layers=layers, status=ReportStatus.PLANNED)
+
+
+def registry_plan_record(plan: Plan, report: BuildReport) -> dict[str, Any]:
+    """`plan --registry --format json`: the plan's record, each layer with what the registry holds."""
+    record = plan_record(plan)
+    status = {rec.key: rec for rec in report.layers}
+    for layer in record["layers"]:
+        rec = status.get(layer["key"])
+        layer["status"] = rec.status.value if rec else "not-selected"
+        layer["digest"] = rec.digest if rec else None
+    record["summary"] |= {"to_build": sum(r.status == LayerStatus.TO_BUILD for r in report.layers),
+                          "reused": sum(r.status == LayerStatus.REUSED for r in report.layers)}
+    return record
 
 
 def _now() -> str:
@@ -302,17 +201,17 @@ class Builder:
             pool.shutdown(wait=True, cancel_futures=True)
             for rec in self.report.layers:
                 if rec.status in ("to-build", "building"):
-                    rec.status, rec.error = "skipped", "interrupted"
-            self.report.status = "interrupted"
+                    rec.status, rec.error = LayerStatus.SKIPPED, "interrupted"
+            self.report.status = ReportStatus.INTERRUPTED
             self._write()
             raise
         pool.shutdown(wait=True)
         self._tag_variants()
         return self._finish()
 
-    def _mark(self, key: str, status: str, **fields) -> None:
+    def _mark(self, key: str, status: LayerStatus | str, **fields) -> None:
         rec = self.report.layer(key)
-        rec.status = status
+        rec.status = LayerStatus(status)
         for name, value in fields.items():
             setattr(rec, name, value)
         self.on_event(status, rec)
@@ -356,15 +255,15 @@ class Builder:
         """Release tags only for variants whose whole chain is in the registry."""
         with Registry(ImageRef.parse(self.plan.repository_ref).registry) as registry:
             for variant in self.report.variants:
-                if variant.status != "built":
+                if variant.status != VariantStatus.BUILT:
                     self._tag_variant(registry, variant)
 
     def _tag_variant(self, registry: Registry, variant: VariantRecord) -> None:
         statuses = [self.report.layer(k).status for k in variant.chain]
-        if any(s in ("failed", "skipped") for s in statuses):
-            variant.status = "failed"
+        if any(s in (LayerStatus.FAILED, LayerStatus.SKIPPED) for s in statuses):
+            variant.status = VariantStatus.FAILED
             return
-        if any(s not in ("built", "reused") for s in statuses):
+        if any(s not in (LayerStatus.BUILT, LayerStatus.REUSED) for s in statuses):
             return
         repo = ImageRef.parse(self.plan.repository_ref)
         cache = ImageRef.parse(self.plan.cache_ref)
@@ -374,16 +273,18 @@ class Builder:
                 registry.copy_within(cache.repository, digest, repo.repository, tag)
         variant.digest = digest
         variant.image = f"{self.plan.repository_ref}@{digest}"
-        variant.status = "built"
+        variant.status = VariantStatus.BUILT
         self.on_event("tagged", self.report.layer(variant.chain[-1]))
 
     def _finish(self) -> BuildReport:
-        failed = any(v.status == "failed" for v in self.report.variants)
-        self.report.status = "failed" if failed else ("planned" if self.options.dry_run else "ok")
+        failed = any(v.status == VariantStatus.FAILED for v in self.report.variants)
+        self.report.status = (ReportStatus.FAILED if failed else
+                              ReportStatus.PLANNED if self.options.dry_run else ReportStatus.OK)
         self._write()
         return self.report
 
     def _write(self) -> None:
+        # Under the report's lock, keeping the stages other processes recorded meanwhile.
         self.report.write(self.options.workdir / "build-report.json")
 
 
@@ -405,6 +306,17 @@ class SecretFiles:
     def close(self) -> None:
         if self._tmp:
             self._tmp.cleanup()
+
+
+def parse_secret_overrides(items: Iterable[str]) -> dict[str, str]:
+    """--secret ID=PATH options -> {id: path}."""
+    overrides = {}
+    for item in items:
+        sid, sep, path = item.partition("=")
+        if not sep or not sid or not path:
+            raise InputError("--secret", None, item, "expected ID=PATH")
+        overrides[sid] = path
+    return overrides
 
 
 def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None) -> SecretFiles:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .report import stage_dict
 from .source import Document, PathKey, Reader, known_list, suggest
 
 POLICY_SCHEMA = 1
@@ -427,8 +428,9 @@ def release_refusal(variant_id: str, digest: str | None, stages: Mapping[str, An
 
     Sign and push call this (through `require_gate_passed`) before touching anything. An image
     rebuilt after it was gated has another digest, so an old pass does not carry over.
+    `stages` is a report variant's `stages`: typed records (report.GateStage) or their dicts.
     """
-    gate = stages.get("gate")
+    gate = stage_dict(stages["gate"]) if stages.get("gate") else None
     if not gate:
         return f"{variant_id}: no gate result; run `imagebuild scan` and `imagebuild gate` first"
     if not digest:

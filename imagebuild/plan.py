@@ -371,23 +371,49 @@ def _check_unique_tags(matrix: Matrix, variants: list[Variant]) -> None:
             owner[tag] = v.id
 
 
-def variant_selector(plan: Plan, selectors: tuple[str, ...]) -> list[Variant]:
-    """--only: variant ids, or axis=value pairs (os=, cuda=, python=, paddle=, device=)."""
-    if not selectors:
-        return list(plan.variants)
-    chosen = []
-    for v in plan.variants:
-        for sel in selectors:
-            if sel == v.id or _axis_match(v, sel):
-                chosen.append(v)
-                break
-    return chosen
+# --- what `plan --format json|github-matrix` prints ---------------------------------------
 
 
-def _axis_match(v: Variant, selector: str) -> bool:
-    if "=" not in selector:
-        return False
-    axis, _, value = selector.partition("=")
-    actual = {"os": v.os, "cuda": v.cuda or "cpu", "python": v.python, "paddle": v.paddle,
-              "device": v.device, "cudnn": v.cudnn or "none"}.get(axis.strip())
-    return actual is not None and actual == value.strip()
+def plan_record(the_plan: Plan, selected: set[str] | None = None) -> dict[str, Any]:
+    """The plan as JSON (`plan --format json`): variants (those in `selected`, default all) and every layer."""
+    shared = the_plan.shared_keys()
+    return {
+        "schema": "imagebuild.plan/v1",
+        "matrix": the_plan.matrix_file,
+        "repository": the_plan.repository_ref,
+        "cache_repository": the_plan.cache_ref,
+        "variants": [
+            {
+                "id": v.id, "os": v.os, "device": v.device, "cuda": v.cuda, "cudnn": v.cudnn,
+                "python": v.python, "paddle": v.paddle, "tags": list(v.tags),
+                "images": [f"{the_plan.repository_ref}:{t}" for t in v.tags],
+                "layers": [the_plan.layers[k].path for k in v.chain],
+            }
+            for v in the_plan.variants if selected is None or v.id in selected
+        ],
+        "layers": [
+            {
+                "key": layer.key, "kind": layer.kind, "path": layer.path, "parent": layer.parent,
+                "cache_tag": layer.cache_tag, "shared": layer.key in shared,
+                "used_by": the_plan.users(layer.key),
+                "from": layer.root.reference if layer.root else None,
+                "from_pinned": layer.root.pinned if layer.root else None,
+            }
+            for layer in the_plan.layers.values()
+        ],
+        "summary": {
+            "variants": len(the_plan.variants),
+            "distinct_layers": len(the_plan.layers),
+            "chain_layers_total": the_plan.chain_length_total(),
+            "shared_layers": len(shared),
+        },
+    }
+
+
+def github_matrix(the_plan: Plan, selected: set[str] | None = None) -> dict[str, Any]:
+    """GitHub Actions strategy.matrix: one job per (selected) variant."""
+    return {"include": [
+        {"variant": v.id, "device": v.device, "paddle": v.paddle, "python": v.python,
+         "cuda": v.cuda or "cpu", "tags": ",".join(v.tags)}
+        for v in the_plan.variants if selected is None or v.id in selected
+    ]}

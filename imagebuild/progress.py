@@ -11,11 +11,18 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 
 
 class HasLayerFields(Protocol):
-    key: str
-    path: str
-    status: str
-    digest: str | None
-    duration_s: float | None
+    # Read-only members: a record's status is a str subclass (an enum word), which a
+    # settable protocol attribute of type str would not accept.
+    @property
+    def key(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def digest(self) -> str | None: ...
+    @property
+    def duration_s(self) -> float | None: ...
 
 
 class LineProgress:

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from . import gate
-from .build import BuildReport, VariantRecord, record_stage
 from .registry import ImageRef, base_url
+from .report import BuildReport, ScanStage, StageStatus, VariantRecord, record_stage
 from .source import InputError
 from .tools import Runner, ToolMissing, find_tool
 
@@ -255,22 +255,6 @@ def _tail(output: str, lines: int = 12) -> str:
 # --- the whole report ------------------------------------------------------------------------------
 
 
-def select(report: BuildReport, only: Iterable[str]) -> list[VariantRecord]:
-    """--only on a build report: variant ids, or device=, paddle=, python=, cuda= (cpu for none)."""
-    only = list(only)
-    if not only:
-        return list(report.variants)
-
-    def fits(v: VariantRecord, selector: str) -> bool:
-        if selector == v.id:
-            return True
-        axis, sep, value = selector.partition("=")
-        fields = {"device": v.device, "paddle": v.paddle, "python": v.python, "cuda": v.cuda or "cpu"}
-        return bool(sep) and fields.get(axis.strip()) == value.strip()
-
-    return [v for v in report.variants if any(fits(v, s) for s in only)]
-
-
 def dockerfiles_of(report: BuildReport, variant: VariantRecord) -> list[str]:
     """The rendered Dockerfiles of a variant's chain, relative to the dockerfiles folder, root first."""
     return [f"{report.layer(key).path}/Dockerfile" for key in variant.chain]
@@ -328,8 +312,8 @@ class ScanRun:
         rows = []
         for variant in variants:
             record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
-            variant.stages["scan"] = record
-            record_stage(self.report_path, "scan", {variant.id: record})  # on record at once
+            variant.stages["scan"] = stage = ScanStage.from_dict(record)
+            record_stage(self.report_path, "scan", {variant.id: stage})  # on record at once
             rows.append({"id": variant.id, **{k: record.get(k) for k in
                                               ("status", "image", "duration_s", "counts", "layers", "error")}})
         summary = self._summary(rows, db, time.monotonic() - started)
@@ -415,24 +399,24 @@ def image_scans(report: BuildReport, report_path: Path, variants: Iterable[Varia
     workdir = report_path.parent
     out = []
     for v in variants:
-        record = v.stages.get("scan")
+        record = v.stage(ScanStage)
         image, digest = v.image or "", v.digest or ""
         if not record:
             out.append(gate.ImageScan(v.id, image, digest, scanned=False, problem="no scan result (run imagebuild scan)"))
             continue
-        if record.get("status") != "ok":
+        if record.status != StageStatus.OK:
             out.append(gate.ImageScan(v.id, image, digest, scanned=False,
-                                      problem=f"scan {record.get('status')}: {record.get('error') or ''}".strip()))
+                                      problem=f"scan {record.status}: {record.error or ''}".strip()))
             continue
-        if record.get("digest") != v.digest:
+        if record.digest != v.digest:
             out.append(gate.ImageScan(v.id, image, digest, scanned=False,
-                                      problem=f"the scan was of {record.get('digest')}, the image is now {v.digest}"))
+                                      problem=f"the scan was of {record.digest}, the image is now {v.digest}"))
             continue
-        paths = record.get("reports") or {}
+        paths = record.reports
         image_report = _load_report(workdir / paths.get("image", ""))
         config_report = _load_report(workdir / paths.get("config", ""))
         try:
-            found = gate.findings(image_report) + gate.findings(config_report, targets=record.get("dockerfiles", []))
+            found = gate.findings(image_report) + gate.findings(config_report, targets=record.dockerfiles)
         except gate.ReportError as exc:
             raise InputError(str(workdir / paths.get("image", "")), None, "", str(exc)) from None
         out.append(gate.ImageScan(v.id, image, digest, tuple(found)))

@@ -10,13 +10,13 @@ it needs nothing but the variant's record.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from .build import VariantRecord
 from .matrix import LAYER_KINDS, SMOKE_ALL, Combination, Matrix
 from .plan import Plan, Variant
+from .report import VariantRecord
 from .source import InputError
 
 STAGE = "smoke"
@@ -206,23 +206,6 @@ def expectations_from_labels(target: Target, labels: Mapping[str, str], gpu_requ
         gpu_requested=gpu_requested)
 
 
-def select_records(records: Iterable[VariantRecord], selectors: tuple[str, ...]) -> list[VariantRecord]:
-    """--only: variant ids, or axis=value (device=, paddle=, python=, cuda=, cudnn=)."""
-    records = list(records)
-    if not selectors:
-        return records
-
-    def matches(rec: VariantRecord, selector: str) -> bool:
-        if selector == rec.id:
-            return True
-        axis, sep, value = selector.partition("=")
-        fields = {"device": rec.device, "paddle": rec.paddle, "python": rec.python,
-                  "cuda": rec.cuda or "cpu", "cudnn": rec.cudnn or "none"}
-        return bool(sep) and fields.get(axis.strip()) == value.strip()
-
-    return [rec for rec in records if any(matches(rec, s) for s in selectors)]
-
-
 # --- results (pure) -------------------------------------------------------------------------
 
 
@@ -336,7 +319,7 @@ def require_smoke_passed(variant: VariantRecord | Mapping[str, Any]) -> str | No
     without the abi tier, and one rebuilt since it was tested (its digest moved).
     """
     if isinstance(variant, VariantRecord):
-        variant = asdict(variant)
+        variant = variant.to_dict()
     name = variant.get("id", "?")
     stage = (variant.get("stages") or {}).get(STAGE)
     if not stage:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .build import BuildReport, record_stage
+from .report import BuildReport, SmokeStage, record_stage
+from .selection import Selection
 from .smoke import (
     STAGE,
     TIERS,
@@ -41,7 +42,6 @@ from .smoke import (
     expectations_from_labels,
     first_line,
     parse_junit,
-    select_records,
     target_for_record,
     target_from_labels,
 )
@@ -352,8 +352,8 @@ def _short(exc: BaseException) -> str:
 
 
 def record_results(report_path: Path, results: Iterable[SmokeResult]) -> None:
-    """Put each result into its variant's `stages["smoke"]` (see build.record_stage)."""
-    record_stage(report_path, STAGE, {r.name: r.stage() for r in results})
+    """Put each result into its variant's `stages["smoke"]` (see report.record_stage)."""
+    record_stage(report_path, STAGE, {r.name: SmokeStage.from_dict(r.stage()) for r in results})
 
 
 def report_matrix_path(report: BuildReport, report_path: Path, override: Path | None) -> Path:
@@ -383,7 +383,7 @@ def _error(name: str, variant: str, image: str, digest: str | None, reason: str)
     return SmokeResult(name=name, variant=variant, image=image, digest=digest, status="error", reason=reason)
 
 
-def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...],
+def run_report(report_path: Path, matrix_path: Path | None, selection: Selection,
                make_runner: Callable[[], SmokeRunner],
                on_result: Callable[[SmokeResult], None] = lambda r: None) -> list[SmokeResult]:
     """Every (selected) variant of a build report; each result goes into the report at once.
@@ -394,9 +394,7 @@ def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...
     import docker.errors
 
     report = BuildReport.read(report_path)
-    records = select_records(report.variants, only)
-    if not records:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    records = selection.choose(report.variants, str(report_path))
     ctx = load_context(report_matrix_path(report, report_path, matrix_path))
     for rec in records:  # all of them before the first container: bad input costs nothing
         if ctx.find(rec.id) is None:
@@ -416,8 +414,9 @@ def run_report(report_path: Path, matrix_path: Path | None, only: tuple[str, ...
             else:
                 expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
                                                 runner.wants_gpu(target.device))
+                previous = rec.stage(SmokeStage)
                 result = runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
-                                        previous=rec.stages.get(STAGE), pull_s=pull_s)
+                                        previous=previous.to_dict() if previous else None, pull_s=pull_s)
         record_results(report_path, [result])
         results.append(result)
         on_result(result)

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan, variant_selector
+from imagebuild.plan import build_plan
+from imagebuild.selection import Selection
 from imagebuild.source import InputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -308,7 +309,7 @@ def test_example_variants_share_their_base_layer(example):
     assert cpu.chain[0] == gpu.chain[0]
 
 
-# --- --only: variant_selector --------------------------------------------------------------
+# --- --only on plan variants (imagebuild.selection) --------------------------------------------------------------
 
 
 @pytest.fixture
@@ -316,38 +317,42 @@ def plan(load):
     return build_plan(load())
 
 
+def select(plan, selectors: tuple[str, ...]):
+    return Selection.parse(selectors).apply(plan.variants)
+
+
 def ids(variants) -> list[str]:
     return [v.id for v in variants]
 
 
 def test_no_selector_selects_every_variant(plan):
-    assert variant_selector(plan, ()) == list(plan.variants)
+    assert select(plan, ()) == list(plan.variants)
 
 
 def test_a_variant_id_selects_that_variant(plan):
-    assert ids(variant_selector(plan, ("paddle3.2.2-cpu-py3.11-debian12",))) == ["paddle3.2.2-cpu-py3.11-debian12"]
+    assert ids(select(plan, ("paddle3.2.2-cpu-py3.11-debian12",))) == ["paddle3.2.2-cpu-py3.11-debian12"]
 
 
 def test_an_axis_value_selects_every_variant_with_it(plan):
-    assert ids(variant_selector(plan, ("python=3.10",))) == [v.id for v in plan.variants if v.python == "3.10"]
+    assert ids(select(plan, ("python=3.10",))) == [v.id for v in plan.variants if v.python == "3.10"]
 
 
 def test_device_and_cuda_cpu_select_the_cpu_variants(plan):
     cpu = [v.id for v in plan.variants if v.cuda is None]
-    assert ids(variant_selector(plan, ("device=cpu",))) == cpu
-    assert ids(variant_selector(plan, ("cuda=cpu",))) == cpu
+    assert ids(select(plan, ("device=cpu",))) == cpu
+    assert ids(select(plan, ("cuda=cpu",))) == cpu
 
 
 def test_several_selectors_select_the_union_in_plan_order(plan):
-    chosen = variant_selector(plan, ("paddle=3.1.0", "paddle3.2.2-cpu-py3.10-debian12"))
+    chosen = select(plan, ("paddle=3.1.0", "paddle3.2.2-cpu-py3.10-debian12"))
     assert ids(chosen) == [v.id for v in plan.variants if v.paddle == "3.1.0" or v.id == "paddle3.2.2-cpu-py3.10-debian12"]
 
 
 def test_cuda_selects_by_cuda_version_and_cudnn_narrows_it(production):
-    on_11_8 = variant_selector(production, ("cuda=11.8",))
+    on_11_8 = select(production, ("cuda=11.8",))
     assert {v.cudnn for v in on_11_8} == {"8.6", "8.9"}
-    assert {v.paddle for v in variant_selector(production, ("cudnn=8.6",))} == {"2.6.2"}
+    assert {v.paddle for v in select(production, ("cudnn=8.6",))} == {"2.6.2"}
 
 
 def test_a_selector_matching_nothing_selects_nothing(plan):
-    assert variant_selector(plan, ("python=2.7", "paddle9.9.9-cpu-py3.10-debian12", "colour=blue")) == []
+    assert select(plan, ("python=2.7", "paddle9.9.9-cpu-py3.10-debian12")) == []

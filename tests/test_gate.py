@@ -416,6 +416,15 @@ def test_release_is_allowed_for_the_image_that_passed():
     gate.require_gate_passed(CPU, DIGEST, stages)
 
 
+def test_release_reads_the_typed_gate_record_of_a_build_report_too():
+    from imagebuild.report import GateStage
+
+    passed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs())))["gate"])}
+    failed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs(EXPAT))))["gate"])}
+    assert gate.release_refusal(CPU, DIGEST, passed) is None
+    assert "CVE-2024-28757 libexpat1" in gate.release_refusal(CPU, DIGEST, failed)
+
+
 # --- the policy file ----------------------------------------------------------------------------------------------
 
 

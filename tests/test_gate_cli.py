@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from imagebuild.build import BuildReport, LayerRecord, VariantRecord
+from imagebuild.report import BuildReport, GateStage, LayerRecord, ScanStage, StageStatus, VariantRecord
 
 from .trivy_reports import CPU, DIGEST, GPU, misconfig, os_pkgs, report, secret, vuln
 
@@ -76,11 +76,13 @@ def test_the_verdict_is_recorded_per_variant_in_the_build_report(tmp_path, image
     workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
     imagebuild("gate", "--workdir", workdir, "--policy", write_policy(tmp_path, ""))
     variants = {v.id: v for v in BuildReport.read(workdir / "build-report.json").variants}
-    assert variants[CPU].stages["gate"]["status"] == "passed"
-    assert variants[GPU].stages["gate"]["status"] == "failed"
-    assert variants[GPU].stages["gate"]["digest"] == DIGEST
-    assert [b["id"] for b in variants[GPU].stages["gate"]["blocking"]] == ["CVE-2024-28757"]
-    assert variants[CPU].stages["scan"]["status"] == "ok"  # other stages are left as they were
+    cpu_gate, gpu_gate = variants[CPU].stage(GateStage), variants[GPU].stage(GateStage)
+    assert cpu_gate is not None and cpu_gate.status == StageStatus.PASSED
+    assert gpu_gate is not None and gpu_gate.status == StageStatus.FAILED
+    assert gpu_gate.digest == DIGEST
+    assert [b["id"] for b in gpu_gate.blocking] == ["CVE-2024-28757"]
+    scan = variants[CPU].stage(ScanStage)  # other stages are left as they were
+    assert scan is not None and scan.status == StageStatus.OK
 
 
 def test_an_excepted_finding_passes_and_the_table_says_until_when(tmp_path, imagebuild):
@@ -152,3 +154,19 @@ def test_sarif_is_valid_sarif_2_1_0(tmp_path, imagebuild):
     assert expired["artifactLocation"]["uri"] == str(policy) and expired["region"]["startLine"] == 6
     rules = sarif_run["tool"]["driver"]["rules"]
     assert all(results[r]["ruleIndex"] == [rule["id"] for rule in rules].index(r) for r in results)
+
+
+def test_run_gate_judges_records_and_writes_without_the_cli(tmp_path):
+    """The orchestration lives in gate_run, so sign/push/CI can run the gate as a function."""
+    import datetime as dt
+
+    from imagebuild.gate_run import run_gate
+    from imagebuild.selection import Selection
+
+    workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
+    outcome = run_gate(workdir, write_policy(tmp_path, ""), Selection.parse([f"id={GPU}"]), today=dt.date(2027, 1, 1))
+    assert not outcome.passed and [image.variant for image in outcome.result.images] == [GPU]
+    assert json.loads(outcome.result_path.read_text()) == outcome.record and outcome.record["today"] == "2027-01-01"
+    assert json.loads(outcome.sarif_path.read_text()) == outcome.sarif
+    variants = {v.id: v for v in BuildReport.read(workdir / "build-report.json").variants}
+    assert variants[GPU].stage(GateStage) is not None and variants[CPU].stage(GateStage) is None

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from imagebuild import scan
-from imagebuild.build import BuildReport, VariantRecord
 from imagebuild.tools import ToolMissing
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,21 +105,4 @@ def test_trivy_settings_from_the_environment_are_dropped_but_credentials_kept(mo
 @pytest.mark.parametrize("text,seconds", [("30m", 1800), ("1h30m", 5400), ("90s", 90), ("", 1800)])
 def test_trivy_durations(text, seconds):
     assert scan._seconds(text) == seconds
-
-
-def variant(vid: str, device: str, paddle: str, cuda: str | None) -> VariantRecord:
-    return VariantRecord(id=vid, tags=[], images=[], chain=[], device=device, paddle=paddle, python="3.11",
-                         cuda=cuda, cudnn=None)
-
-
-def test_only_selects_by_id_or_axis():
-    report = BuildReport(matrix="m", revision="r", registry="r", repository="r/p", cache_repository="r/c",
-                         created="t", variants=[variant("cpu-v", "cpu", "3.3.1", None),
-                                                variant("gpu-v", "gpu", "2.6.2", "11.8")], layers=[])
-    assert [v.id for v in scan.select(report, ())] == ["cpu-v", "gpu-v"]
-    assert [v.id for v in scan.select(report, ("gpu-v",))] == ["gpu-v"]
-    assert [v.id for v in scan.select(report, ("device=cpu",))] == ["cpu-v"]
-    assert [v.id for v in scan.select(report, ("cuda=cpu",))] == ["cpu-v"]
-    assert [v.id for v in scan.select(report, ("paddle=2.6.2", "cpu-v"))] == ["cpu-v", "gpu-v"]
-    assert scan.select(report, ("paddle=9.9",)) == []
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build import VariantRecord
 from imagebuild.matrix import load_matrix
 from imagebuild.plan import build_plan
+from imagebuild.report import VariantRecord
 from imagebuild.smoke import (
     EXPECT_SCHEMA,
     REQUIRED_LABELS,
@@ -29,7 +29,6 @@ from imagebuild.smoke import (
     expectations_from_labels,
     parse_junit,
     require_smoke_passed,
-    select_records,
     target_for_record,
     target_from_labels,
 )
@@ -159,16 +158,6 @@ def test_none_labels_mean_a_cpu_image():
 def test_an_image_without_imagebuild_labels_is_refused():
     with pytest.raises(InputError, match="has no io.imagebuild.cudnn.version label"):
         target_from_labels("r/p:t", {k: v for k, v in GPU_LABELS.items() if k != "io.imagebuild.cudnn.version"})
-
-
-def test_only_selects_by_id_or_axis():
-    cpu = gpu_record(id="cpu-variant", device="cpu", cuda=None, cudnn=None, paddle="3.3.1")
-    gpu = gpu_record()
-    assert select_records([cpu, gpu], ()) == [cpu, gpu]
-    assert select_records([cpu, gpu], ("device=gpu",)) == [gpu]
-    assert select_records([cpu, gpu], ("cuda=cpu",)) == [cpu]
-    assert select_records([cpu, gpu], ("cpu-variant", "cudnn=8.6")) == [cpu, gpu]
-    assert select_records([cpu, gpu], ("paddle=9.9",)) == []
 
 
 # --- JUnit XML, from a real pytest run --------------------------------------------------------

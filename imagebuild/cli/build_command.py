@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from .. import build as building
-from .. import plan as planning
+from .. import report as reporting
 from ..matrix import load_matrix
 from ..progress import progress_for
-from ..source import InputError
+from ..selection import Selection
 from .common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -54,21 +54,14 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
       imagebuild build --only device=cpu --jobs 4
       imagebuild build --dry-run --format json     # what would be built
     """
+    selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
     the_plan = building.prepare(matrix, rev, created)
-    variants = planning.variant_selector(the_plan, only)
-    if not variants:
-        raise InputError(str(matrix_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    variants = selection.choose(the_plan.variants, str(matrix_path))
     report = building.registry_plan(the_plan, variants)
     report.revision = rev
-    overrides = {}
-    for item in secret_overrides:
-        sid, sep, path = item.partition("=")
-        if not sep or not sid or not path:
-            raise InputError("--secret", None, item, "expected ID=PATH")
-        overrides[sid] = path
-    secrets = building.secret_files(matrix, overrides)
+    secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
                                     workdir=workdir, secrets=secrets.paths, secret_values=secrets.values)
@@ -89,7 +82,7 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
         sys.exit(EXIT_FAILED)
 
 
-def print_build_summary(report: building.BuildReport, path: Path, output_format: str) -> None:
+def print_build_summary(report: reporting.BuildReport, path: Path, output_format: str) -> None:
     summary = report.summary()
     if output_format == "json":
         click.echo(json.dumps({"report": str(path), "status": report.status, "layers": summary,

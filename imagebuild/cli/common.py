@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 
 from .. import build as building
+from .. import selection
 from ..registry import RegistryError
 from ..source import InputError
 from ..tools import ToolMissing
@@ -75,9 +76,7 @@ PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "sca
 registry_option = click.option(
     "--registry", "use_registry", is_flag=True,
     help="Ask the matrix's registry which layers exist (one HEAD per distinct layer).")
-only_option = click.option(
-    "--only", multiple=True, metavar="SELECTOR",
-    help="Variant id, or axis=value (os=, cuda=, python=, paddle=, device=); repeatable.")
+only_option = click.option("--only", multiple=True, metavar="SELECTOR", help=selection.HELP)
 revision_option = click.option(
     "--revision", default=None, help="Source revision for the release labels (default: git HEAD).")
 

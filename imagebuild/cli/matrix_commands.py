@@ -4,15 +4,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.table import Table
 
 from .. import build as building
 from .. import plan as planning
+from .. import report as reporting
 from ..matrix import load_matrix
 from ..render import check_tree, write_tree
+from ..selection import Selection
 from ..support import load_support_table, version_key
 from .common import (
     EXIT_FAILED,
@@ -48,36 +49,29 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
       imagebuild plan --format json | jq '.variants[].tags'
       imagebuild plan --format github-matrix   # strategy.matrix for GitHub Actions
     """
+    selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
     if use_registry:
         the_plan = building.prepare(matrix, rev, created)
-        report = building.registry_plan(the_plan, planning.variant_selector(the_plan, only),
+        report = building.registry_plan(the_plan, selection.choose(the_plan.variants, str(matrix_path)),
                                         resolve_digests=output_format != "table")
         if output_format == "table":
             print_registry_plan(the_plan, report)
         else:
-            record = plan_record(the_plan)
-            status = {rec.key: rec for rec in report.layers}
-            for layer in record["layers"]:
-                rec = status.get(layer["key"])
-                layer["status"] = rec.status if rec else "not-selected"
-                layer["digest"] = rec.digest if rec else None
-            record["summary"] |= {"to_build": sum(r.status == "to-build" for r in report.layers),
-                                  "reused": sum(r.status == "reused" for r in report.layers)}
-            click.echo(json.dumps(record, indent=2))
+            click.echo(json.dumps(building.registry_plan_record(the_plan, report), indent=2))
         return
     the_plan = planning.build_plan(matrix, revision=rev, created=created)
-    selected = set(v.id for v in planning.variant_selector(the_plan, only))
+    selected = {v.id for v in selection.choose(the_plan.variants, str(matrix_path))}
     if output_format == "json":
-        click.echo(json.dumps(plan_record(the_plan, selected), indent=2))
+        click.echo(json.dumps(planning.plan_record(the_plan, selected), indent=2))
     elif output_format == "github-matrix":
-        click.echo(json.dumps(github_matrix(the_plan, selected), separators=(",", ":")))
+        click.echo(json.dumps(planning.github_matrix(the_plan, selected), separators=(",", ":")))
     else:
         print_plan(the_plan, selected)
 
 
-def print_registry_plan(the_plan: planning.Plan, report: building.BuildReport) -> None:
+def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) -> None:
     table = Table(title=f"{the_plan.cache_ref}: layers for {len(report.variants)} variant(s)")
     for column in ("layer", "key", "status"):
         table.add_column(column)
@@ -87,49 +81,6 @@ def print_registry_plan(the_plan: planning.Plan, report: building.BuildReport) -
     to_build = sum(r.status == "to-build" for r in report.layers)
     reused = sum(r.status == "reused" for r in report.layers)
     stdout.print(f"{to_build} to build, {reused} reused" + ("" if to_build else ": nothing to build"))
-
-
-def plan_record(the_plan: planning.Plan, selected: set[str] | None = None) -> dict[str, Any]:
-    shared = the_plan.shared_keys()
-    return {
-        "schema": "imagebuild.plan/v1",
-        "matrix": the_plan.matrix_file,
-        "repository": the_plan.repository_ref,
-        "cache_repository": the_plan.cache_ref,
-        "variants": [
-            {
-                "id": v.id, "os": v.os, "device": v.device, "cuda": v.cuda, "cudnn": v.cudnn,
-                "python": v.python, "paddle": v.paddle, "tags": list(v.tags),
-                "images": [f"{the_plan.repository_ref}:{t}" for t in v.tags],
-                "layers": [the_plan.layers[k].path for k in v.chain],
-            }
-            for v in the_plan.variants if selected is None or v.id in selected
-        ],
-        "layers": [
-            {
-                "key": layer.key, "kind": layer.kind, "path": layer.path, "parent": layer.parent,
-                "cache_tag": layer.cache_tag, "shared": layer.key in shared,
-                "used_by": the_plan.users(layer.key),
-                "from": layer.root.reference if layer.root else None,
-                "from_pinned": layer.root.pinned if layer.root else None,
-            }
-            for layer in the_plan.layers.values()
-        ],
-        "summary": {
-            "variants": len(the_plan.variants),
-            "distinct_layers": len(the_plan.layers),
-            "chain_layers_total": the_plan.chain_length_total(),
-            "shared_layers": len(shared),
-        },
-    }
-
-
-def github_matrix(the_plan: planning.Plan, selected: set[str] | None = None) -> dict[str, Any]:
-    return {"include": [
-        {"variant": v.id, "device": v.device, "paddle": v.paddle, "python": v.python,
-         "cuda": v.cuda or "cpu", "tags": ",".join(v.tags)}
-        for v in the_plan.variants if selected is None or v.id in selected
-    ]}
 
 
 def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> None:

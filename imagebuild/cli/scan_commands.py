@@ -1,17 +1,18 @@
 """imagebuild scan and gate: Trivy over the built images, then the vulnerability policy."""
 from __future__ import annotations
 
-import datetime as dt
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from .. import build as building
 from .. import gate as gating
+from .. import report as reporting
 from .. import scan as scanning
-from ..source import InputError, load_document
+from ..gate_run import run_gate
+from ..selection import Selection
+from ..source import InputError
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option, reports_input_errors, workdir_option
 
 
@@ -47,20 +48,19 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
       imagebuild scan --offline --cache-dir /srv/trivy   # a DB already in /srv/trivy/db
       imagebuild scan --only device=cpu --format json
     """
+    selection = Selection.parse(only)
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     report_path = workdir / "build-report.json"
-    report = building.BuildReport.read(report_path)
-    variants = scanning.select(report, only)
-    if not variants:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
+    report = reporting.BuildReport.read(report_path)
+    variants = selection.choose(report.variants, str(report_path))
     options = scanning.ScanOptions(
         workdir=workdir, dockerfiles=dockerfiles or Path(report.matrix).parent / "dockerfiles",
         cache_dir=cache_dir, offline=offline, db_repository=db_repository, timeout=timeout,
         insecure_registries=insecure_registries)
     trivy = scanning.Trivy.find()
 
-    def progress(event: str, variant: building.VariantRecord, record: dict) -> None:
+    def progress(event: str, variant: reporting.VariantRecord, record: dict) -> None:
         if event == "start":
             click.echo(f"scanning {variant.id} ({variant.image})", err=True)
         else:
@@ -129,58 +129,15 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
       imagebuild gate --strict --format sarif > gate.sarif
       imagebuild gate --policy policies/vulnerabilities.yaml --format json
     """
-    policy = gating.parse_policy(load_document(policy_path))  # malformed: one line, exit 2, nothing written
-    report_path = workdir / "build-report.json"
-    report = building.BuildReport.read(report_path)
-    variants = scanning.select(report, only)
-    if not variants:
-        raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
-    scans = scanning.image_scans(report, report_path, variants)
-    result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
-    records = {}
-    for variant, verdict in zip(variants, result.images):
-        variant.stages["gate"] = records[variant.id] = gating.stage_record(verdict, result)
-    building.record_stage(report_path, "gate", records)
-    locations, root = _sarif_locations(variants)
-    sarif = gating.to_sarif(result, tool_version=_version(), locations=locations, dockerfiles_root=root)
-    record = gating.to_json(result)
-    out = workdir / "gate"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    (out / "result.sarif").write_text(json.dumps(sarif, indent=2) + "\n", encoding="utf-8")
+    outcome = run_gate(workdir, policy_path, Selection.parse(only), strict=strict)
     if output_format == "json":
-        click.echo(json.dumps(record, indent=2))
+        click.echo(json.dumps(outcome.record, indent=2))
     elif output_format == "sarif":
-        click.echo(json.dumps(sarif, indent=2))
+        click.echo(json.dumps(outcome.sarif, indent=2))
     else:
-        print_gate(result)
-    if not result.passed:
+        print_gate(outcome.result)
+    if not outcome.passed:
         sys.exit(EXIT_FAILED)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("imagebuild")
-    except PackageNotFoundError:
-        return "0"
-
-
-def _sarif_locations(variants: list[building.VariantRecord]) -> tuple[dict[str, str], str]:
-    """Each variant's release Dockerfile, relative to here when it can be: code scanning wants repository paths."""
-    locations, root = {}, ""
-    for v in variants:
-        record = v.stages.get("scan") or {}
-        if not record.get("dockerfiles"):
-            continue
-        base = Path(record.get("dockerfiles_root", ""))
-        try:
-            base = base.resolve().relative_to(Path.cwd())
-        except ValueError:
-            pass
-        root = str(base)
-        locations[v.id] = f"{base}/{record['dockerfiles'][-1]}"
-    return locations, root
 
 
 def print_gate(result: gating.GateResult) -> None:

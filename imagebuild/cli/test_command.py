@@ -10,8 +10,9 @@ from typing import Any
 
 import click
 
+from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, reports_input_errors
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option, reports_input_errors
 
 
 @click.command("test")
@@ -23,8 +24,7 @@ from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, reports_input_
               help="Test this image instead (expectations from its labels, or --matrix); repeatable.")
 @click.option("--matrix", "matrix_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The matrix the images were built from (default: the one the report names).")
-@click.option("--only", multiple=True, metavar="SELECTOR",
-              help="Variant id, or device=, paddle=, python=, cuda=, cudnn=; repeatable.")
+@only_option
 @click.option("--tier", type=click.Choice(["all", "abi", "gpu"]), default="all", show_default=True,
               help="abi runs anywhere; gpu needs a GPU and is skipped, with its reason, without one.")
 @click.option("--gpus", type=click.Choice(["auto", "all", "none"]), default="auto", show_default=True,
@@ -63,6 +63,7 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
     """
     from .. import smoke_run
 
+    selection = Selection.parse(only)
     report_path = report_path or workdir / "build-report.json"
     if images and only:
         raise InputError("--only", None, "", "selects variants of a report; it does not apply to --image")
@@ -88,7 +89,7 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
         if images:
             results = smoke_run.run_images(images, matrix_path, make_runner, progress)
         else:
-            results = smoke_run.run_report(report_path, matrix_path, only, make_runner, progress)
+            results = smoke_run.run_report(report_path, matrix_path, selection, make_runner, progress)
     except KeyboardInterrupt:
         click.echo("interrupted: the running container was removed", err=True)
         sys.exit(EXIT_INTERRUPTED)
