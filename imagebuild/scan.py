@@ -326,7 +326,11 @@ class ScanRun:
             config, config_error = None, str(exc)
         rows = []
         for variant in variants:
-            record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
+            try:
+                record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
+            except BaseException as exc:  # an interrupt or an unexpected error: no record may claim a scan
+                self._record_unfinished(variant, exc)
+                raise
             variant.stages["scan"] = record
             record_stage(self.report_path, "scan", {variant.id: record})  # on record at once
             rows.append({"id": variant.id, **{k: record.get(k) for k in
@@ -334,6 +338,18 @@ class ScanRun:
         summary = self._summary(rows, db, time.monotonic() - started)
         (scan_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         return summary
+
+    def _record_unfinished(self, variant: VariantRecord, exc: BaseException) -> None:
+        """The variant whose scan was cut short: `interrupted` (a signal) or `failed` (an error), never ok."""
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        reason = "interrupted" if interrupted else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        record = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
+                  "scanned_at": _now(), "status": "interrupted" if interrupted else "failed", "error": reason}
+        variant.stages["scan"] = record
+        try:
+            record_stage(self.report_path, "scan", {variant.id: record})
+        except Exception:  # the report itself may be what failed; the original error says more
+            pass
 
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict | None, config_error: str | None,
                   db: DbInfo) -> dict[str, Any]:

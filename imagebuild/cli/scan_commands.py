@@ -12,8 +12,8 @@ from .. import build as building
 from .. import gate as gating
 from .. import scan as scanning
 from ..source import InputError, load_document
-from .common import (EXIT_FAILED, EXIT_INTERRUPTED, format_option,
-                     only_option, reports_input_errors, workdir_option)
+from .common import (EXIT_FAILED, format_option, only_option, report_at, reports_input_errors,
+                     workdir_option)
 
 
 @click.command()
@@ -70,12 +70,8 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
                        f"{error}", err=True)
 
     run = scanning.ScanRun(report, report_path, options, trivy, on_event=progress)
-    try:
-        summary = run.run(variants)
-    except KeyboardInterrupt:
-        trivy.runner.stop_all()
-        click.echo("interrupted: running scans stopped", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    report_at(report_path)
+    summary = run.run(variants)  # an interrupt stops Trivy and marks the image being scanned (common.py)
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -137,7 +133,14 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
     if not variants:
         raise InputError(str(report_path), None, "--only", f"selects no variant ({', '.join(only)})")
     scans = scanning.image_scans(report, report_path, variants)
-    result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    report_at(report_path)
+    try:
+        result = gating.evaluate(policy, scans, dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    except Exception as exc:  # no earlier verdict may stand for a gate that did not finish
+        error = f"the gate stopped on an error: {type(exc).__name__}: {exc}"
+        building.record_stage(report_path, "gate", {v.id: {"status": "failed", "digest": v.digest, "image": v.image,
+                                                           "problems": [error]} for v in variants})
+        raise
     records = {}
     for variant, verdict in zip(variants, result.images):
         variant.stages["gate"] = records[variant.id] = gating.stage_record(verdict, result)
