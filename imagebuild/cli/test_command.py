@@ -61,7 +61,7 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
       imagebuild test --image 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild test --tier abi --format json
     """
-    from . import smoke_run
+    from .. import smoke_run
 
     report_path = report_path or workdir / "build-report.json"
     if images and only:
