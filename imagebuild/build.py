@@ -278,15 +278,17 @@ class Builder:
                 self._build(todo)
             self._tag_variants()
         except KeyboardInterrupt:
-            self._abandon("interrupted")
-            self.report.status = "interrupted"
-            self._write()
+            with uninterrupted():
+                self._abandon("interrupted")
+                self.report.status = "interrupted"
+                self._write()
             raise
         except Exception as exc:
-            self._abandon(f"not built: the build stopped on an error ({_first_line(exc)})")
-            self.report.status = "failed"
-            with contextlib.suppress(OSError):  # the error may be this very disk; the error itself goes on
-                self._write()
+            with uninterrupted():  # a signal now waits until the report is written
+                self._abandon(f"not built: the build stopped on an error ({_first_line(exc)})")
+                self.report.status = "failed"
+                with contextlib.suppress(OSError):  # the error may be this very disk; the error itself goes on
+                    self._write()
             raise
         return self._finish()
 

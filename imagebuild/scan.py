@@ -33,7 +33,7 @@ from . import gate
 from .build import BuildReport, VariantRecord, record_stage
 from .registry import ImageRef, base_url
 from .source import InputError
-from .tools import Runner, ToolMissing, find_tool
+from .tools import Runner, ToolMissing, find_tool, uninterrupted
 
 # The pinned Trivy; scripts/versions.env says the same (TRIVY_VERSION), a test keeps them equal.
 TRIVY_VERSION = "0.76.0"
@@ -329,7 +329,8 @@ class ScanRun:
             try:
                 record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
             except BaseException as exc:  # an interrupt or an unexpected error: no record may claim a scan
-                self._record_unfinished(variant, exc)
+                with uninterrupted():
+                    self._record_unfinished(variant, exc)
                 raise
             variant.stages["scan"] = record
             record_stage(self.report_path, "scan", {variant.id: record})  # on record at once

@@ -35,7 +35,7 @@ from .smoke import (
     expectations_from_labels, parse_junit, select_records, target_for_record, target_from_labels,
 )
 from .source import InputError
-from .tools import Runner, ToolMissing
+from .tools import Runner, ToolMissing, uninterrupted
 
 SUITE_DIR = Path(__file__).resolve().parent.parent / "smoke_tests"
 
@@ -420,15 +420,16 @@ def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str |
     try:
         yield
     except BaseException as exc:
-        runner.remove_containers()
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        reason = "interrupted" if interrupted else f"stopped on an error: {_short(exc)}"
-        result = SmokeResult(name=name, variant=name, image=image, digest=digest,
-                             status="interrupted" if interrupted else "error", reason=reason)
-        try:
-            record_results(report_path, [result])
-        except Exception:  # the report may be what failed; the original error says more
-            pass
+        with uninterrupted():  # a signal now waits until the container is gone and the report says so
+            runner.remove_containers()
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            reason = "interrupted" if interrupted else f"stopped on an error: {_short(exc)}"
+            result = SmokeResult(name=name, variant=name, image=image, digest=digest,
+                                 status="interrupted" if interrupted else "error", reason=reason)
+            try:
+                record_results(report_path, [result])
+            except Exception:  # the report may be what failed; the original error says more
+                pass
         raise
 
 
@@ -469,7 +470,8 @@ def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Cal
             try:
                 result = runner.execute(ref, image, target, expectations, extras, pull_s=pull_s)
             except BaseException:
-                runner.remove_containers()
+                with uninterrupted():
+                    runner.remove_containers()
                 raise
         results.append(result)
         on_result(result)

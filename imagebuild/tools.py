@@ -110,7 +110,8 @@ _signal_state = {"shield": 0, "pending": 0, "received": 0}
 
 
 def cancel_requested() -> bool:
-    return _cancel.is_set()
+    """True once a signal came or cancel_children ran: workers start nothing new."""
+    return _cancel.is_set() or bool(_signal_state["received"])
 
 
 def cancel_children() -> None:
@@ -125,8 +126,9 @@ def _on_signal(signum: int, frame: object) -> None:
     # Only the first signal raises: a second Ctrl-C or SIGTERM must not break the cleanup of the first.
     if _signal_state["received"]:
         return
+    # Worker threads see this at once (cancel_requested), before the main thread unwinds. No lock
+    # is taken here: the main thread may hold it at the moment the signal interrupts it.
     _signal_state["received"] = signum
-    _cancel.set()  # worker threads see it at once, even before the main thread unwinds
     if _signal_state["shield"]:
         _signal_state["pending"] = signum
         return
@@ -196,7 +198,7 @@ class Runner:
         process: subprocess.Popen | None = None
         try:
             with uninterrupted(), _children_lock:  # started and on record, or not started at all
-                if _cancel.is_set():
+                if cancel_requested():
                     take("imagebuild: cancelled before it started\n")
                     return Result(130, "".join(chunks), cancelled=True)
                 process = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -216,7 +218,7 @@ class Runner:
                 _stop([process])
                 take(f"\nimagebuild: timed out after {timeout:g} s\n")
                 return Result(EXIT_TIMED_OUT, "".join(chunks), timed_out=True)
-            return Result(process.returncode, "".join(chunks), cancelled=_cancel.is_set())
+            return Result(process.returncode, "".join(chunks), cancelled=cancel_requested())
         finally:
             if process is not None:
                 with _children_lock:

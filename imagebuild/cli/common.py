@@ -15,7 +15,7 @@ from rich.console import Console
 from .. import build as building
 from ..registry import RegistryError
 from ..source import InputError
-from ..tools import ToolMissing, cancel_children, install_signal_handlers
+from ..tools import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -81,7 +81,11 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors and exits, printed by click
         except Exception as err:
-            cancel_children()
+            try:
+                with uninterrupted():
+                    cancel_children()
+            except KeyboardInterrupt:  # a signal during the cleanup: it is done now, and this ends anyway
+                pass
             if debugging():
                 traceback.print_exc()
             click.echo(f"error: {stage}: {_one_line(err)}{_report_note()}", err=True)

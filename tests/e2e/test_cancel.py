@@ -316,3 +316,33 @@ def test_sigterm_during_the_smoke_tests_removes_the_container(engine, built_cpu,
     assert ours(all_states=True) == [], "a container of the cancelled smoke run is left"
     record = json.loads((workdir / "build-report.json").read_text())["variants"][0]["stages"]["smoke"]
     assert (record["status"], record["reason"]) == ("interrupted", "interrupted")
+
+
+def test_the_scan_timeout_stops_a_scan_that_takes_longer(built_cpu, trivy, trivy_db, tmp_path):
+    workdir = built_cpu.copy(tmp_path / "w")
+    cache = trivy_cache_with_db(trivy_db, tmp_path / "trivy-cache")  # cold: analysing the image takes long
+    started = time.monotonic()
+    run = imagebuild(*map(str, scan_args(workdir, cache, built_cpu)), "--timeout", "3s")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert time.monotonic() - started < 120
+    record = json.loads((workdir / "build-report.json").read_text())["variants"][0]["stages"]["scan"]
+    assert record["status"] == "failed"
+    assert "context deadline exceeded" in record["error"] or "timed out after" in record["error"]
+    assert record["duration_s"] < 3 + 60 + STOP_S  # Trivy's own limit, or ours a minute later
+    assert not pids(re.escape(str(cache.resolve())))
+
+
+def test_an_unexpected_error_in_the_smoke_tests_is_recorded_and_ends_in_one_line(engine, built_cpu, tmp_path):
+    workdir = built_cpu.copy(tmp_path / "w")
+    (workdir / "smoke").mkdir()
+    (workdir / "smoke" / CPU_VARIANT).write_text("a file where the run keeps this image's results\n")
+
+    run = imagebuild("test", "--workdir", str(workdir), "--tier", "abi")
+
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: test: [Errno 20] Not a directory: ")
+    assert last.endswith(f"(report: {workdir / 'build-report.json'})")
+    record = json.loads((workdir / "build-report.json").read_text())["variants"][0]["stages"]["smoke"]
+    assert record["status"] == "error" and "Not a directory" in record["reason"]
