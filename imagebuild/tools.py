@@ -136,7 +136,9 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM and SIGINT raise Cancelled in the main thread (call from the main thread)."""
+    """SIGTERM and SIGINT raise Cancelled in the main thread (Python runs handlers only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
 
