@@ -20,6 +20,7 @@ and `variants[i].stages["scan"]` in the build report.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -347,10 +348,8 @@ class ScanRun:
         record = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
                   "scanned_at": _now(), "status": "interrupted" if interrupted else "failed", "error": reason}
         variant.stages["scan"] = record
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the report itself may be what failed; the error says more
             record_stage(self.report_path, "scan", {variant.id: record})
-        except Exception:  # the report itself may be what failed; the original error says more
-            pass
 
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict | None, config_error: str | None,
                   db: DbInfo) -> dict[str, Any]:

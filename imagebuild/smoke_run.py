@@ -208,11 +208,13 @@ class SmokeRunner:
 
     def remove_containers(self) -> None:
         """Remove every container this process started (after an interrupt); never raises."""
-        try:
+        import docker.errors
+        import requests
+
+        # The engine may be what failed; the caller's error says more than this would.
+        with contextlib.suppress(docker.errors.DockerException, requests.RequestException):
             for container in self.client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={RUN_ID}"}):
                 container.remove(force=True)
-        except Exception:  # the engine may be what failed; the caller's error says more
-            pass
 
     def pull(self, ref: str):
         """The image and the seconds spent pulling it.
@@ -426,10 +428,8 @@ def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str |
             reason = "interrupted" if interrupted else f"stopped on an error: {_short(exc)}"
             result = SmokeResult(name=name, variant=name, image=image, digest=digest,
                                  status="interrupted" if interrupted else "error", reason=reason)
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the report may be what failed; the error says more
                 record_results(report_path, [result])
-            except Exception:  # the report may be what failed; the original error says more
-                pass
         raise
 
 

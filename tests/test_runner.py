@@ -19,7 +19,7 @@ from .conftest import REPO_ROOT
 
 def alive(marker: str) -> list[str]:
     """PIDs of processes whose command line holds `marker` (ps, independent of the code under test)."""
-    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False).stdout.split()
 
 
 def gone_within(marker: str, seconds: float) -> bool:

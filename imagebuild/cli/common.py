@@ -80,7 +80,7 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors and exits, printed by click
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 -- any error at all ends in one line, not a traceback
             try:
                 with uninterrupted():
                     cancel_children()

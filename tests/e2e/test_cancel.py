@@ -23,19 +23,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import REPO, STAGING, copy_matrix, imagebuild, trivy_cache_with_db, unique
+from .conftest import (
+    REPO,
+    STAGING,
+    copy_matrix,
+    imagebuild,
+    trivy_cache_with_db,
+    unique,
+)
 
 CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
 CPU_TAG = "3.3.1"
 STARTUP_S = 1500  # a cold machine builds the CPU chain (Paddle from PyPI) before the step under test
 STOP_S = 30  # a cancelled command must be gone within this
 
-MANIFESTS = ", ".join([
-    "application/vnd.docker.distribution.manifest.v2+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.oci.image.index.v1+json",
-])
+MANIFESTS = ("application/vnd.docker.distribution.manifest.v2+json, "
+             "application/vnd.docker.distribution.manifest.list.v2+json, "
+             "application/vnd.oci.image.manifest.v1+json, application/vnd.oci.image.index.v1+json")
 
 
 def cpu_only(repository: str, extra_layers: list[dict] | None = None):
@@ -60,7 +64,7 @@ def tag_status(repository: str, tag: str) -> tuple[int, str | None]:
 
 def pids(pattern: str) -> list[str]:
     """Processes whose command line matches `pattern` (a pgrep -f regular expression)."""
-    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False).stdout.split()
 
 
 def gone_within(pattern: str, seconds: float) -> bool:
@@ -80,7 +84,7 @@ class Background:
     log: Path
 
     @classmethod
-    def start(cls, log: Path, *args: str | Path, env: dict[str, str] | None = None) -> "Background":
+    def start(cls, log: Path, *args: str | Path, env: dict[str, str] | None = None) -> Background:
         handle = log.open("w")
         proc = subprocess.Popen([sys.executable, "-m", "imagebuild", *map(str, args)], cwd=REPO,
                                 stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
