@@ -350,3 +350,22 @@ def test_an_unexpected_error_in_the_smoke_tests_is_recorded_and_ends_in_one_line
     assert last.endswith(f"(report: {workdir / 'build-report.json'})")
     record = json.loads((workdir / "build-report.json").read_text())["variants"][0]["stages"]["smoke"]
     assert record["status"] == "error" and "Not a directory" in record["reason"]
+
+
+def test_an_unexpected_error_in_the_gate_keeps_its_verdict_and_ends_in_one_line(built_cpu, trivy, trivy_db, tmp_path):
+    workdir = built_cpu.copy(tmp_path / "w")
+    scan = imagebuild(*map(str, scan_args(workdir, trivy_cache_with_db(trivy_db, tmp_path / "trivy-cache"),
+                                          built_cpu)), timeout=900)
+    assert scan.returncode == 0, scan.stdout + scan.stderr[-3000:]
+    (workdir / "gate" / "result.json").mkdir(parents=True)  # where the gate writes its result file
+
+    run = imagebuild("gate", "--workdir", str(workdir), "--policy", str(REPO / "examples/local/policy.yaml"))
+
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: gate: [Errno 21] Is a directory: ")
+    assert last.endswith(f"(report: {workdir / 'build-report.json'})")
+    variant = json.loads((workdir / "build-report.json").read_text())["variants"][0]
+    assert variant["stages"]["gate"]["digest"] == variant["digest"]  # the verdict was recorded before the error
+    assert variant["stages"]["gate"]["status"] in ("passed", "failed")
