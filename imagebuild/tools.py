@@ -87,6 +87,7 @@ class Result:
 
 
 EXIT_TIMED_OUT = 124  # as coreutils' timeout(1) says it
+EXIT_CANCELLED = 130  # the code of a command a cancel kept from starting
 _STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL for what is still there after this
 
 
@@ -172,6 +173,7 @@ class Runner:
 
     def __init__(self) -> None:
         self._running: set[subprocess.Popen] = set()
+        self._stopped = False  # after stop_all this runner starts nothing new
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
             env: dict[str, str | None] | None = None, timeout: float | None = None, cwd: Path | None = None,
@@ -200,9 +202,9 @@ class Runner:
         process: subprocess.Popen | None = None
         try:
             with uninterrupted(), _children_lock:  # started and on record, or not started at all
-                if cancel_requested():
+                if self._stopped or cancel_requested():
                     take("imagebuild: cancelled before it started\n")
-                    return Result(130, "".join(chunks), cancelled=True)
+                    return Result(EXIT_CANCELLED, "".join(chunks), cancelled=True)
                 process = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, env=environment, cwd=cwd,
                                            start_new_session=True)
@@ -220,7 +222,7 @@ class Runner:
                 _stop([process])
                 take(f"\nimagebuild: timed out after {timeout:g} s\n")
                 return Result(EXIT_TIMED_OUT, "".join(chunks), timed_out=True)
-            return Result(process.returncode, "".join(chunks), cancelled=cancel_requested())
+            return Result(process.returncode, "".join(chunks), cancelled=self._stopped or cancel_requested())
         finally:
             if process is not None:
                 with _children_lock:
@@ -228,11 +230,15 @@ class Runner:
                     self._running.discard(process)
                 if process.poll() is None:  # an exception (a cancel) on the way out: leave nothing behind
                     _stop([process])
+                if process.stdout is not None:
+                    process.stdout.close()
             if handle:
                 handle.close()
 
     def stop_all(self) -> None:
+        """Stop this runner's processes; from now on it starts no new ones."""
         with _children_lock:
+            self._stopped = True
             running = list(self._running)
         _stop(running)
 

@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
-from imagebuild.tools import EXIT_TIMED_OUT, Runner
+from imagebuild.tools import EXIT_CANCELLED, EXIT_TIMED_OUT, Runner
 
 from .conftest import REPO_ROOT
 
@@ -77,6 +78,25 @@ def test_output_is_decoded_line_by_line_even_when_a_character_spans_two_reads(tm
     assert result.returncode == 0
     assert result.output == "a" * 65535 + "é\n"
     assert (tmp_path / "out.log").read_text(encoding="utf-8") == result.output
+
+
+def test_a_stopped_runner_ends_its_running_command_and_starts_no_other():
+    marker = f"{3000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**6}"
+    runner, results = Runner(), []
+    worker = threading.Thread(target=lambda: results.append(runner.run(["sleep", marker + "1"])))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not alive(f"sleep {marker}1"):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+
+    runner.stop_all()
+
+    worker.join(15)
+    assert results and results[0].cancelled and results[0].returncode == -signal.SIGTERM
+    later = runner.run(["sleep", marker + "2"])
+    assert later.cancelled and later.returncode == EXIT_CANCELLED
+    assert not alive(f"sleep {marker}")
 
 
 def test_sigterm_raises_cancelled_in_the_main_thread_and_no_child_outlives_it(tmp_path):
