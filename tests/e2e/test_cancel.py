@@ -123,11 +123,10 @@ def layers_by_name(report: dict) -> dict[str, dict]:
     return {layer["path"]: layer for layer in report["layers"]}
 
 
-def slow_step(nonce: str) -> tuple[str, str]:
+def slow_step(nonce: str) -> str:
     """A RUN step that sleeps for an hour unless a build secret is mounted (which the key does not see),
-    so a rerun of the very same layer is quick. Returns (step, the sleep's command line)."""
-    sleep = f"sleep {3000 + int(nonce[:6], 16) % 1000}"
-    return f"if test -s /run/secrets/netrc; then echo rerun; else {sleep}; fi; echo {nonce}", sleep
+    so a rerun of the very same layer is quick. Its shell's command line holds `nonce`."""
+    return f"if test -s /run/secrets/netrc; then echo rerun; else sleep 3600; fi; echo {nonce}"
 
 
 # --- build ------------------------------------------------------------------------------------------
@@ -136,14 +135,14 @@ def slow_step(nonce: str) -> tuple[str, str]:
 def test_sigterm_stops_the_build_and_buildkit_keeps_what_finished_and_tags_nothing(
         engine, staging_registry, tmp_path, fresh_repository):
     nonce = uuid.uuid4().hex
-    step, sleep = slow_step(nonce)
     matrix = copy_matrix(tmp_path, cpu_only(fresh_repository, [
         {"name": "quick", "run": [f"echo {nonce} > /etc/imagebuild-e2e-quick"]},
-        {"name": "slow", "run": [step]},
+        {"name": "slow", "run": [slow_step(nonce)]},
     ]))
     workdir = tmp_path / "w"
     build = Background.start(tmp_path / "build.log", "build", "--matrix", matrix, "--workdir", workdir)
-    build.wait_for("the slow RUN step inside BuildKit", lambda: pids(sleep))
+    # The quick layer's RUN holds the nonce too, but only for an instant; the slow one stays.
+    build.wait_for("the slow RUN step inside BuildKit", lambda: pids(f"sleep 3600; fi; echo {nonce}"))
 
     seconds = build.terminate()
 
@@ -186,8 +185,7 @@ def test_sigterm_stops_the_build_and_buildkit_keeps_what_finished_and_tags_nothi
 
 def test_a_layer_that_outlives_its_timeout_fails_with_the_reason(built_cpu, tmp_path, fresh_repository):
     nonce = uuid.uuid4().hex
-    step, _ = slow_step(nonce)
-    matrix = copy_matrix(tmp_path, cpu_only(fresh_repository, [{"name": "slow", "run": [step]}]))
+    matrix = copy_matrix(tmp_path, cpu_only(fresh_repository, [{"name": "slow", "run": [slow_step(nonce)]}]))
     workdir = tmp_path / "w"  # the chain below the slow layer is built_cpu's, so only it meets the limit
     timed = imagebuild("build", "--matrix", str(matrix), "--workdir", str(workdir), "--layer-timeout", "20",
                        timeout=STARTUP_S)
