@@ -6,6 +6,7 @@ A variant gets its release tags only once its whole chain is in the registry.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import subprocess
@@ -31,7 +32,7 @@ from .report import (
     VariantStatus,
 )
 from .source import InputError
-from .tools import Runner, docker_cli
+from .tools import Runner, cancel_requested, docker_cli, uninterrupted
 
 # --- planning against the registry ----------------------------------------------------
 
@@ -44,6 +45,8 @@ class BuildOptions:
     workdir: Path = Path(".imagebuild")
     secrets: dict[str, str] = field(default_factory=dict)  # secret id -> file path on this host
     secret_values: tuple[str, ...] = ()  # to redact from logs
+    layer_timeout_s: float = 3600  # one layer's `docker build`; then it fails as "timed out after N s"
+    push_timeout_s: float = 1800  # one layer's push to the cache repository
 
 
 def git_revision(cwd: Path) -> tuple[str, str]:
@@ -146,7 +149,9 @@ class Builder:
         self.options = options
         self.on_event = on_event
         self.runner = Runner()
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # set when the build is being abandoned; workers start nothing new
+        self._stop_reason = "interrupted"
+        self._pool: ThreadPoolExecutor | None = None
 
     def check_dockerfiles(self) -> None:
         """Build exactly what the keys describe: the committed files must be current."""
@@ -159,55 +164,85 @@ class Builder:
                              "run `imagebuild render` and commit")
 
     def run(self) -> BuildReport:
+        """Build what is missing, then tag each complete variant.
+
+        On an interrupt (Ctrl-C, SIGTERM) or an unexpected error the running builds are stopped,
+        the report is written (layers finished so far stay built, the rest are skipped with the
+        reason) and the exception goes on to the caller; no variant is tagged on the way out.
+        """
         self.check_dockerfiles()
         todo = {rec.key for rec in self.report.layers if rec.status == "to-build"}
         if self.options.dry_run:
             return self._finish()
-        if not todo:
+        try:
+            if todo:
+                self._build(todo)
             self._tag_variants()
-            return self._finish()
+        except KeyboardInterrupt:
+            with uninterrupted():
+                self._abandon("interrupted")
+                self.report.status = ReportStatus.INTERRUPTED
+                self._write()
+            raise
+        except Exception as exc:
+            with uninterrupted():  # a signal now waits until the report is written
+                self._abandon(f"not built: the build stopped on an error ({_first_line(exc)})")
+                self.report.status = ReportStatus.FAILED
+                with contextlib.suppress(OSError):  # the error may be this very disk; the error itself goes on
+                    self._write()
+            raise
+        return self._finish()
+
+    def _build(self, todo: set[str]) -> None:
         docker = docker_cli()
         self.options.workdir.joinpath("logs").mkdir(parents=True, exist_ok=True)
         done: set[str] = {rec.key for rec in self.report.layers if rec.status == "reused"}
         failed: set[str] = set()
         running: dict[Future, str] = {}
-        pool = ThreadPoolExecutor(max_workers=max(1, self.options.jobs))
-        try:
-            while todo or running:
-                # Parents before children (the plan's order), so a failure reaches every
-                # descendant in one pass.
-                for key in [k for k in self.plan.layers if k in todo]:
-                    parent = self.plan.layers[key].parent
-                    if parent in failed:
-                        todo.discard(key)
-                        failed.add(key)
-                        self._mark(key, "skipped", error=f"parent {self.plan.layers[parent].path} failed")
-                    elif (parent is None or parent in done) and len(running) < self.options.jobs:
-                        todo.discard(key)
-                        running[pool.submit(self._build_layer, docker, key)] = key
-                if not running:
-                    if todo:  # nothing could start: a parent outside the plan (a bug, not input)
-                        raise RuntimeError(f"unschedulable layers: {sorted(todo)}")
-                    continue
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    key = running.pop(future)
-                    (done if future.result() else failed).add(key)
-                    if self.plan.layers[key].kind == "release":
-                        self._tag_variants()  # this variant's chain is complete: tag it now
-        except KeyboardInterrupt:
-            self.cancelled.set()
-            self.runner.stop_all()
-            pool.shutdown(wait=True, cancel_futures=True)
-            for rec in self.report.layers:
-                if rec.status in ("to-build", "building"):
-                    rec.status, rec.error = LayerStatus.SKIPPED, "interrupted"
-            self.report.status = ReportStatus.INTERRUPTED
-            self._write()
-            raise
-        pool.shutdown(wait=True)
-        self._tag_variants()
-        return self._finish()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.options.jobs))
+        while todo or running:
+            # Parents before children (the plan's order), so a failure reaches every
+            # descendant in one pass.
+            for key in [k for k in self.plan.layers if k in todo]:
+                parent = self.plan.layers[key].parent
+                if parent in failed:
+                    todo.discard(key)
+                    failed.add(key)
+                    self._mark(key, "skipped", error=f"parent {self.plan.layers[parent].path} failed")
+                elif (parent is None or parent in done) and len(running) < self.options.jobs:
+                    todo.discard(key)
+                    running[self._pool.submit(self._build_layer, docker, key)] = key
+            if not running:
+                if todo:  # nothing could start: a parent outside the plan (a bug, not input)
+                    raise RuntimeError(f"unschedulable layers: {sorted(todo)}")
+                continue
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                key = running.pop(future)
+                try:
+                    ok = future.result()
+                except Exception as exc:
+                    self._mark(key, "failed", error=f"{type(exc).__name__}: {exc}")
+                    raise
+                (done if ok else failed).add(key)
+                if self.plan.layers[key].kind == "release":
+                    self._tag_variants()  # this variant's chain is complete: tag it now
+        self._pool.shutdown(wait=True)
+
+    @property
+    def stopping(self) -> bool:
+        return self.cancelled.is_set() or cancel_requested()
+
+    def _abandon(self, reason: str) -> None:
+        """Stop the running builds; every layer that did not finish becomes skipped with `reason`."""
+        self._stop_reason = reason
+        self.cancelled.set()
+        self.runner.stop_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for rec in self.report.layers:
+            if rec.status in ("to-build", "building"):
+                self._mark(rec.key, "skipped", error=reason)
 
     def _mark(self, key: str, status: LayerStatus | str, **fields) -> None:
         rec = self.report.layer(key)
@@ -237,9 +272,13 @@ class Builder:
             cmd += ["--secret", f"id={sid},src={path}"]
         cmd.append(str(self.options.dockerfiles / layer.path))
         result = self.runner.run(cmd, secrets=self.options.secret_values, log=log,
-                                 env={"DOCKER_BUILDKIT": "1"})
-        if result.returncode == 0 and not self.cancelled.is_set():
-            push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values)
+                                 env={"DOCKER_BUILDKIT": "1"}, timeout=self.options.layer_timeout_s)
+        error = None
+        if result.timed_out:
+            error = f"timed out after {self.options.layer_timeout_s:g} s"
+        elif result.returncode == 0 and not self.stopping:
+            push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values,
+                                   timeout=self.options.push_timeout_s)
             with log.open("a", encoding="utf-8") as handle:
                 handle.write(push.output)
             digest = _pushed_digest(push.output) if push.returncode == 0 else None
@@ -247,8 +286,14 @@ class Builder:
                 self._mark(key, "built", digest=digest, duration_s=round(time.monotonic() - started, 1))
                 return True
             result = push
+            if push.timed_out:
+                error = f"push timed out after {self.options.push_timeout_s:g} s"
+        duration = round(time.monotonic() - started, 1)
+        if self.stopping:  # stopped by us, not failed: the report says why it did not finish
+            self._mark(key, "skipped", duration_s=duration, error=self._stop_reason)
+            return False
         tail = "\n".join(result.output.strip().splitlines()[-15:])
-        self._mark(key, "failed", duration_s=round(time.monotonic() - started, 1), error=tail)
+        self._mark(key, "failed", duration_s=duration, error=error or tail)
         return False
 
     def _tag_variants(self) -> None:
@@ -256,7 +301,8 @@ class Builder:
         with Registry(ImageRef.parse(self.plan.repository_ref).registry) as registry:
             for variant in self.report.variants:
                 if variant.status != VariantStatus.BUILT:
-                    self._tag_variant(registry, variant)
+                    with uninterrupted():  # all of a variant's tags, or none: a signal waits for them
+                        self._tag_variant(registry, variant)
 
     def _tag_variant(self, registry: Registry, variant: VariantRecord) -> None:
         statuses = [self.report.layer(k).status for k in variant.chain]
@@ -286,6 +332,11 @@ class Builder:
     def _write(self) -> None:
         # Under the report's lock, keeping the stages other processes recorded meanwhile.
         self.report.write(self.options.workdir / "build-report.json")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _pushed_digest(output: str) -> str | None:

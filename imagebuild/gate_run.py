@@ -39,7 +39,13 @@ def run_gate(workdir: Path, policy_path: Path, selection: Selection, *, strict: 
     report = BuildReport.read(report_path)
     variants = selection.choose(report.variants, str(report_path))
     scans = image_scans(report, report_path, variants)
-    result = gating.evaluate(policy, scans, today or dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    try:
+        result = gating.evaluate(policy, scans, today or dt.datetime.now(dt.timezone.utc).date(), strict=strict)
+    except Exception as exc:  # no earlier verdict may stand for a gate that did not finish
+        error = f"the gate stopped on an error: {type(exc).__name__}: {exc}"
+        record_stage(report_path, "gate", {v.id: {"status": "failed", "digest": v.digest, "image": v.image,
+                                                  "problems": [error]} for v in variants})
+        raise
     records = {}
     for variant, verdict in zip(variants, result.images):
         variant.stages["gate"] = records[variant.id] = GateStage.from_dict(gating.stage_record(verdict, result))

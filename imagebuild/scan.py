@@ -20,6 +20,7 @@ and `variants[i].stages["scan"]` in the build report.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -34,7 +35,7 @@ from . import gate
 from .registry import ImageRef, base_url
 from .report import BuildReport, ScanStage, StageStatus, VariantRecord, record_stage
 from .source import InputError
-from .tools import Runner, ToolMissing, find_tool
+from .tools import Runner, ToolMissing, find_tool, uninterrupted
 
 # The pinned Trivy; scripts/versions.env says the same (TRIVY_VERSION), a test keeps them equal.
 TRIVY_VERSION = "0.76.0"
@@ -311,7 +312,12 @@ class ScanRun:
             config, config_error = None, str(exc)
         rows = []
         for variant in variants:
-            record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
+            try:
+                record = self._scan_one(variant, scan_dir / variant.id, config, config_error, db)
+            except BaseException as exc:  # an interrupt or an unexpected error: no record may claim a scan
+                with uninterrupted():
+                    self._record_unfinished(variant, exc)
+                raise
             variant.stages["scan"] = stage = ScanStage.from_dict(record)
             record_stage(self.report_path, "scan", {variant.id: stage})  # on record at once
             rows.append({"id": variant.id, **{k: record.get(k) for k in
@@ -319,6 +325,16 @@ class ScanRun:
         summary = self._summary(rows, db, time.monotonic() - started)
         (scan_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         return summary
+
+    def _record_unfinished(self, variant: VariantRecord, exc: BaseException) -> None:
+        """The variant whose scan was cut short: `interrupted` (a signal) or `failed` (an error), never ok."""
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        reason = "interrupted" if interrupted else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        record = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
+                  "scanned_at": _now(), "status": "interrupted" if interrupted else "failed", "error": reason}
+        variant.stages["scan"] = record
+        with contextlib.suppress(OSError, ValueError):  # the report itself may be what failed; the error says more
+            record_stage(self.report_path, "scan", {variant.id: record})
 
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict | None, config_error: str | None,
                   db: DbInfo) -> dict[str, Any]:

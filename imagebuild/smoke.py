@@ -276,7 +276,7 @@ class SmokeResult:
     variant: str
     image: str
     digest: str | None
-    status: str  # passed, failed, error
+    status: str  # passed, failed, error; interrupted (the run was cut short)
     reason: str | None = None
     summary: JunitSummary = field(default_factory=JunitSummary)
     junit: str | None = None

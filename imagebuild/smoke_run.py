@@ -13,6 +13,7 @@ image's sys.path and its dependencies behind it, so the image's own packages win
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,13 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .report import BuildReport, SmokeStage, record_stage
+from .report import BuildReport, SmokeStage, VariantRecord, record_stage
 from .selection import Selection
 from .smoke import (
     STAGE,
@@ -46,9 +48,14 @@ from .smoke import (
     target_from_labels,
 )
 from .source import InputError
-from .tools import ToolMissing
+from .tools import Runner, ToolMissing, uninterrupted
 
 SUITE_DIR = Path(__file__).resolve().parent.parent / "smoke_tests"
+
+# Every container this process creates carries this label, so an interrupt can find and remove
+# the one it was starting even before the SDK handed it back.
+RUN_LABEL = "io.imagebuild.run"
+RUN_ID = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 # Where things appear inside the container.
 MOUNT_ROOT = "/smoke"
@@ -112,9 +119,9 @@ def ensure_harness(cache: Path) -> Path:
         cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
                "--require-hashes", "--only-binary=:all:", "--no-deps", "--no-compile",
                "--python-version", "3.8", "--target", str(tmp / "all"), "-r", str(requirements)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = Runner().run(cmd, timeout=600)  # stopped with everything else on an interrupt
         if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+            tail = "\n".join(proc.output.strip().splitlines()[-5:])
             raise ToolMissing(f"could not install pytest for the smoke tests with pip:\n{tail}\n"
                               "On a host without PyPI, pass --harness with a folder prepared elsewhere.")
         for part in ("first", "last"):
@@ -211,6 +218,16 @@ class SmokeRunner:
 
     def wants_gpu(self, device: str) -> bool:
         return self.gpu_host and device == "gpu"
+
+    def remove_containers(self) -> None:
+        """Remove every container this process started (after an interrupt); never raises."""
+        import docker.errors
+        import requests
+
+        # The engine may be what failed; the caller's error says more than this would.
+        with contextlib.suppress(docker.errors.DockerException, requests.RequestException):
+            for container in self.client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={RUN_ID}"}):
+                container.remove(force=True)
 
     def pull(self, ref: str):
         """The image and the seconds spent pulling it.
@@ -313,7 +330,7 @@ class SmokeRunner:
             cap_drop=["ALL"], security_opt=["no-new-privileges"],
             shm_size="1g" if gpu else None,
             device_requests=[docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if gpu else None,
-            labels={"io.imagebuild.smoke": target.name},
+            labels={"io.imagebuild.smoke": target.name, RUN_LABEL: RUN_ID},
         )
         started = time.monotonic()
         timed_out = False
@@ -391,8 +408,6 @@ def run_report(report_path: Path, matrix_path: Path | None, selection: Selection
     The report and the matrix are checked before `make_runner` sets anything up, so bad
     input fails fast and leaves nothing behind.
     """
-    import docker.errors
-
     report = BuildReport.read(report_path)
     records = selection.choose(report.variants, str(report_path))
     ctx = load_context(report_matrix_path(report, report_path, matrix_path))
@@ -403,24 +418,47 @@ def run_report(report_path: Path, matrix_path: Path | None, selection: Selection
     runner = make_runner()
     results = []
     for rec in records:
-        if rec.status != "built" or not rec.image:
-            result = _error(rec.id, rec.id, rec.image or "", rec.digest, f"not built (build status: {rec.status})")
-        else:
-            target = target_for_record(rec)
-            try:
-                image, pull_s = runner.pull(target.image)
-            except docker.errors.DockerException as exc:
-                result = _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}")
-            else:
-                expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
-                                                runner.wants_gpu(target.device))
-                previous = rec.stage(SmokeStage)
-                result = runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
-                                        previous=previous.to_dict() if previous else None, pull_s=pull_s)
+        with _unfinished_recorded(report_path, rec.id, rec.image or "", rec.digest, runner):
+            result = _run_record(rec, report, ctx, runner)
         record_results(report_path, [result])
         results.append(result)
         on_result(result)
     return results
+
+
+@contextlib.contextmanager
+def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str | None,
+                         runner: SmokeRunner) -> Iterator[None]:
+    """An interrupt or an unexpected error: the container goes, the report says this run did not finish."""
+    try:
+        yield
+    except BaseException as exc:
+        with uninterrupted():  # a signal now waits until the container is gone and the report says so
+            runner.remove_containers()
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            reason = "interrupted" if interrupted else f"stopped on an error: {_short(exc)}"
+            result = SmokeResult(name=name, variant=name, image=image, digest=digest,
+                                 status="interrupted" if interrupted else "error", reason=reason)
+            with contextlib.suppress(OSError, ValueError):  # the report may be what failed; the error says more
+                record_results(report_path, [result])
+        raise
+
+
+def _run_record(rec: VariantRecord, report: BuildReport, ctx: MatrixContext, runner: SmokeRunner) -> SmokeResult:
+    import docker.errors
+
+    if rec.status != "built" or not rec.image:
+        return _error(rec.id, rec.id, rec.image or "", rec.digest, f"not built (build status: {rec.status})")
+    target = target_for_record(rec)
+    try:
+        image, pull_s = runner.pull(target.image)
+    except docker.errors.DockerException as exc:
+        return _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}")
+    expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
+                                    runner.wants_gpu(target.device))
+    previous = rec.stage(SmokeStage)
+    return runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
+                          previous=previous.to_dict() if previous else None, pull_s=pull_s)
 
 
 def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Callable[[], SmokeRunner],
@@ -441,7 +479,12 @@ def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Cal
         except InputError as exc:
             result = _error(ref, "", ref, None, str(exc))
         else:
-            result = runner.execute(ref, image, target, expectations, extras, pull_s=pull_s)
+            try:
+                result = runner.execute(ref, image, target, expectations, extras, pull_s=pull_s)
+            except BaseException:
+                with uninterrupted():
+                    runner.remove_containers()
+                raise
         results.append(result)
         on_result(result)
     return results

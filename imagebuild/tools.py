@@ -5,11 +5,16 @@ handed to a tool can never reach a log file or a report verbatim.
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
 import os
+import selectors
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -77,13 +82,98 @@ def docker_cli() -> str:
 class Result:
     returncode: int
     output: str  # stdout and stderr, redacted
+    timed_out: bool = False  # the deadline passed; the process group was stopped (returncode 124)
+    cancelled: bool = False  # a cancel stopped it, or came before it could start
+
+
+EXIT_TIMED_OUT = 124  # as coreutils' timeout(1) says it
+EXIT_CANCELLED = 130  # the code of a command a cancel kept from starting
+_STOP_GRACE_S = 10.0  # SIGTERM first; SIGKILL for what is still there after this
+
+
+class Cancelled(KeyboardInterrupt):
+    """SIGTERM (a CI cancel) or SIGINT asked this process to stop.
+
+    A KeyboardInterrupt, so every path that cleans up after Ctrl-C cleans up after a CI cancel too.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# Every child process group of this process, whichever Runner started it, so that one cancel
+# stops all of them; and the cancel itself, which worker threads poll between steps.
+_children_lock = threading.Lock()
+_children: set[subprocess.Popen] = set()
+_cancel = threading.Event()
+_signal_state = {"shield": 0, "pending": 0, "received": 0}
+
+
+def cancel_requested() -> bool:
+    """True once a signal came or cancel_children ran: workers start nothing new."""
+    return _cancel.is_set() or bool(_signal_state["received"])
+
+
+def cancel_children() -> None:
+    """Refuse new child processes from now on and stop every running one (with its process group)."""
+    with _children_lock:
+        _cancel.set()
+        running = list(_children)
+    _stop(running)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    # Only the first signal raises: a second Ctrl-C or SIGTERM must not break the cleanup of the first.
+    if _signal_state["received"]:
+        return
+    # Worker threads see this at once (cancel_requested), before the main thread unwinds. No lock
+    # is taken here: the main thread may hold it at the moment the signal interrupts it.
+    _signal_state["received"] = signum
+    if _signal_state["shield"]:
+        _signal_state["pending"] = signum
+        return
+    raise Cancelled(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGINT raise Cancelled in the main thread (Python runs handlers only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_signal)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A short step that must not stop half-way (tagging one variant): a signal waits until it ends.
+
+    Signals reach only the main thread, so elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _signal_state["shield"] += 1
+    try:
+        yield
+    finally:
+        _signal_state["shield"] -= 1
+        pending = _signal_state["pending"]
+        if pending and not _signal_state["shield"]:
+            _signal_state["pending"] = 0
+            raise Cancelled(pending)
 
 
 class Runner:
-    """Runs commands in their own process group so an interrupt can stop all of them."""
+    """Runs commands in their own process group so that a timeout or a cancel stops all of them.
+
+    The deadline is kept by polling the output pipe, not by reading it to the end: a tool that
+    prints forever, or hangs with its output open, is stopped on time all the same.
+    """
 
     def __init__(self) -> None:
         self._running: set[subprocess.Popen] = set()
+        self._stopped = False  # after stop_all this runner starts nothing new
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
             env: dict[str, str | None] | None = None, timeout: float | None = None, cwd: Path | None = None,
@@ -93,47 +183,114 @@ class Runner:
         `env` adds to this process's environment; a None value removes that variable.
         `keep` drops lines from both (a tool whose debug output we need a few lines of, like
         Trivy's, would otherwise fill memory and disk with millions we do not).
+        `timeout` (seconds): then the process group is stopped and the Result says timed_out (124).
         """
         secrets = list(secrets)
         environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-        process = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   errors="replace", env=environment, cwd=cwd,
-                                   start_new_session=True)
-        self._running.add(process)
         chunks: list[str] = []
         handle = log.open("w", encoding="utf-8") if log else None
+
+        def take(line: str) -> None:
+            if keep is not None and not keep(line):
+                return
+            clean = redact(line, secrets)
+            chunks.append(clean)
+            if handle:
+                handle.write(clean)
+                handle.flush()
+
+        process: subprocess.Popen | None = None
         try:
-            assert process.stdout is not None
-            for line in process.stdout:
-                if keep is not None and not keep(line):
-                    continue
-                clean = redact(line, secrets)
-                chunks.append(clean)
-                if handle:
-                    handle.write(clean)
-                    handle.flush()
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._stop(process)
-            chunks.append(f"\nimagebuild: timed out after {timeout} s\n")
-            return Result(124, "".join(chunks))
+            with uninterrupted(), _children_lock:  # started and on record, or not started at all
+                if self._stopped or cancel_requested():
+                    take("imagebuild: cancelled before it started\n")
+                    return Result(EXIT_CANCELLED, "".join(chunks), cancelled=True)
+                process = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, env=environment, cwd=cwd,
+                                           start_new_session=True)
+                _children.add(process)
+                self._running.add(process)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            timed_out = not _pump(process, deadline, take)
+            if not timed_out:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    process.wait(timeout=left)
+                except subprocess.TimeoutExpired:  # closed its output, kept running
+                    timed_out = True
+            if timed_out:
+                _stop([process])
+                take(f"\nimagebuild: timed out after {timeout:g} s\n")
+                return Result(EXIT_TIMED_OUT, "".join(chunks), timed_out=True)
+            return Result(process.returncode, "".join(chunks), cancelled=self._stopped or cancel_requested())
         finally:
+            if process is not None:
+                with _children_lock:
+                    _children.discard(process)
+                    self._running.discard(process)
+                if process.poll() is None:  # an exception (a cancel) on the way out: leave nothing behind
+                    _stop([process])
+                if process.stdout is not None:
+                    process.stdout.close()
             if handle:
                 handle.close()
-            self._running.discard(process)
-        return Result(process.returncode, "".join(chunks))
 
     def stop_all(self) -> None:
-        for process in list(self._running):
-            self._stop(process)
+        """Stop this runner's processes; from now on it starts no new ones."""
+        with _children_lock:
+            self._stopped = True
+            running = list(self._running)
+        _stop(running)
 
-    @staticmethod
-    def _stop(process: subprocess.Popen) -> None:
+
+def _pump(process: subprocess.Popen, deadline: float | None, take: Callable[[str], None]) -> bool:
+    """Hand each line of the process's output to `take` until it closes; False when the deadline came first."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                return False
+            if not selector.select(wait):
+                continue
+            data = os.read(fd, 65536)
+            text = decoder.decode(data, final=not data)
+            pending += text
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                take(line + "\n")
+            if not data:
+                if pending:
+                    take(pending)
+                process.stdout.close()
+                return True
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each process group, then SIGKILL to the groups still there after the grace period."""
+    for process in processes:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for process in processes:
         try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        # The leader may be gone while its group is not (a grandchild that ignored SIGTERM).
+        _signal_group(process, signal.SIGKILL)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,10 +1,13 @@
 """The `imagebuild` command line: parse, call, print. No pipeline logic lives here.
 
 One module per command group; this one only assembles them. Exit codes: 0 success; 1 the work
-failed (drift found, a build or gate failed); 2 bad input (malformed matrix, policy or release
-file; bad options); 3 a tool or service is missing; 130 interrupted.
+failed (drift found, a build or gate failed, an unexpected error); 2 bad input (malformed matrix,
+policy or release file; bad options); 3 a tool or service is missing; 130 interrupted by SIGINT
+(Ctrl-C); 143 stopped by SIGTERM (a CI cancel). See common.reports_input_errors.
 """
 from __future__ import annotations
+
+import os
 
 import click
 
@@ -27,7 +30,8 @@ class PipelineGroup(click.Group):
 @click.group(cls=PipelineGroup,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="imagebuild")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error (or IMAGEBUILD_DEBUG=1).")
+def cli(debug: bool) -> None:
     """Build, test, scan, sign and roll out PaddlePaddle GPU images from one version matrix.
 
     \b
@@ -38,6 +42,8 @@ def cli() -> None:
       imagebuild render --check                        # CI: fail when they drifted
       imagebuild support                               # the Paddle/CUDA/Python table
     """
+    if debug:
+        os.environ["IMAGEBUILD_DEBUG"] = "1"
 
 
 

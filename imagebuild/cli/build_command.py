@@ -14,12 +14,12 @@ from ..progress import progress_for
 from ..selection import Selection
 from .common import (
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     _revision,
     dockerfiles_dir,
     format_option,
     matrix_option,
     only_option,
+    report_at,
     reports_input_errors,
     revision_option,
     stderr,
@@ -36,17 +36,22 @@ from .common import (
               help="Rendered Dockerfiles (default: dockerfiles/ beside the matrix).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
               show_default=True, help="Where the build report and logs go.")
+@click.option("--layer-timeout", "layer_timeout_s", type=click.IntRange(1, 7 * 86400), default=3600,
+              show_default=True, metavar="SECONDS",
+              help="Stop a layer's build after this long; it fails as 'timed out after N s'.")
 @click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
               help="Take a declared build secret from this file instead (e.g. from CI's secret store).")
 @revision_option
 @format_option("table", "json")
 @reports_input_errors
 def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
-          workdir: Path, secret_overrides: tuple[str, ...], revision: str | None, output_format: str) -> None:
+          workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], revision: str | None,
+          output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
 
     Layer images go to the cache repository under their content keys; each variant gets its
-    tags once its whole chain is built. Writes WORKDIR/build-report.json even when builds fail.
+    tags once its whole chain is built. Writes WORKDIR/build-report.json even when builds fail
+    or the build is interrupted (SIGINT: exit 130, SIGTERM: exit 143); a rerun finishes the job.
 
     \b
     Examples:
@@ -64,17 +69,16 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
     secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
-                                    workdir=workdir, secrets=secrets.paths, secret_values=secrets.values)
+                                    workdir=workdir, secrets=secrets.paths, secret_values=secrets.values,
+                                    layer_timeout_s=layer_timeout_s)
     view = progress_for(stderr)
     for rec in report.layers:
         if rec.status == "to-build":
             view.add(rec)
+    report_at(workdir / "build-report.json")
     try:
         with view:
             report = building.Builder(the_plan, report, options, view).run()
-    except KeyboardInterrupt:
-        click.echo("interrupted: running builds stopped, no variant was tagged", err=True)
-        sys.exit(EXIT_INTERRUPTED)
     finally:
         secrets.close()
     print_build_summary(report, workdir / "build-report.json", output_format)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,12 +17,13 @@ from .. import build as building
 from .. import selection
 from ..registry import RegistryError
 from ..source import InputError
-from ..tools import ToolMissing
+from ..tools import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3  # a tool or service is missing or unreachable
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): 128 + 2, as shells report it
+EXIT_TERMINATED = 143  # SIGTERM (a CI cancel): 128 + 15
 
 
 def _console(**kwargs: Any) -> Console:
@@ -34,11 +38,31 @@ stdout = _console()
 stderr = _console(stderr=True)
 
 
+_stage_report: dict[str, Path] = {}
+
+
+def report_at(path: Path) -> None:
+    """The report this command records into, named in its last line if it stops early."""
+    _stage_report["path"] = path
+
+
+def debugging() -> bool:
+    return os.environ.get("IMAGEBUILD_DEBUG", "") not in ("", "0")
+
+
 def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input: one line on stderr naming file, line and key; exit code 2; no traceback."""
+    """How every command ends when it cannot finish, always in one line on stderr.
+
+    Bad input: `file:line: key: message`, exit 2. A missing tool or service: exit 3.
+    SIGINT/SIGTERM: the children are stopped, the stage records what finished, exit 130/143.
+    Any other error: the stage has written its report; `error: STAGE: message`, exit 1, and a
+    traceback only with IMAGEBUILD_DEBUG=1 (or `imagebuild --debug`).
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        stage = click.get_current_context().info_name or "imagebuild"
+        install_signal_handlers()
         try:
             return func(*args, **kwargs)
         except InputError as err:
@@ -50,8 +74,39 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except RegistryError as err:
             click.echo(f"error: registry: {err}", err=True)
             sys.exit(EXIT_ENVIRONMENT)
+        except KeyboardInterrupt as err:  # tools.Cancelled (SIGTERM) included
+            cancel_children()
+            signum = getattr(err, "signum", signal.SIGINT)
+            click.echo(f"interrupted by {signal.Signals(signum).name}: {stage} stopped, its running tools "
+                       f"with it{_report_note()}", err=True)
+            sys.exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: usage errors and exits, printed by click
+        except Exception as err:  # noqa: BLE001 -- any error at all ends in one line, not a traceback
+            try:
+                with uninterrupted():
+                    cancel_children()
+            except KeyboardInterrupt:  # a signal during the cleanup: it is done now, and this ends anyway
+                pass
+            if debugging():
+                traceback.print_exc()
+            click.echo(f"error: {stage}: {_one_line(err)}{_report_note()}", err=True)
+            sys.exit(EXIT_FAILED)
 
     return wrapper
+
+
+def _report_note() -> str:
+    path = _stage_report.get("path")
+    return f" (report: {path})" if path is not None else ""
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not isinstance(err, OSError):  # OSError's text says what it is; others need their name
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text[:500]
 
 
 matrix_option = click.option(

@@ -13,7 +13,7 @@ from .. import scan as scanning
 from ..gate_run import run_gate
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option, reports_input_errors, workdir_option
+from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors, workdir_option
 
 
 @click.command()
@@ -69,12 +69,8 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
                        f"{error}", err=True)
 
     run = scanning.ScanRun(report, report_path, options, trivy, on_event=progress)
-    try:
-        summary = run.run(variants)
-    except KeyboardInterrupt:
-        trivy.runner.stop_all()
-        click.echo("interrupted: running scans stopped", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    report_at(report_path)
+    summary = run.run(variants)  # an interrupt stops Trivy and marks the image being scanned (common.py)
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -129,6 +125,7 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
       imagebuild gate --strict --format sarif > gate.sarif
       imagebuild gate --policy policies/vulnerabilities.yaml --format json
     """
+    report_at(workdir / "build-report.json")
     outcome = run_gate(workdir, policy_path, Selection.parse(only), strict=strict)
     if output_format == "json":
         click.echo(json.dumps(outcome.record, indent=2))

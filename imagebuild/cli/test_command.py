@@ -12,7 +12,7 @@ import click
 
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, format_option, only_option, reports_input_errors
+from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors
 
 
 @click.command("test")
@@ -85,14 +85,12 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
     def progress(result: Any) -> None:
         click.echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
 
-    try:
-        if images:
-            results = smoke_run.run_images(images, matrix_path, make_runner, progress)
-        else:
-            results = smoke_run.run_report(report_path, matrix_path, selection, make_runner, progress)
-    except KeyboardInterrupt:
-        click.echo("interrupted: the running container was removed", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    # An interrupt removes the running container and marks its variant in the report (common.py).
+    if images:
+        results = smoke_run.run_images(images, matrix_path, make_runner, progress)
+    else:
+        report_at(report_path)
+        results = smoke_run.run_report(report_path, matrix_path, selection, make_runner, progress)
     print_smoke_results(results, None if images else report_path, output_format)
     if any(r.status != "passed" for r in results):
         sys.exit(EXIT_FAILED)
