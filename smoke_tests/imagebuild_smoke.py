@@ -6,7 +6,9 @@ folders a matrix adds (mounted elsewhere) get the same fixtures and markers.
 Each test runs in a forked process of its own with a time limit (60 s unless
 `@pytest.mark.timeout(seconds)` says otherwise): a test stuck in C code, where no Python signal
 handler can reach it, is killed and fails with its name, its limit and the Python stacks of the
-moment, and the next test runs. The image-level timeout of `imagebuild test` is only a backstop.
+moment, and the next test runs. The image-level timeout of `imagebuild test` is only a backstop. Paddle's version, build and
+GPU count come from one `import paddle` in a child process per session (the `facts` fixture),
+so a broken import costs its time limit once, not once per test.
 
 Runs inside the image under test with the image's Python (3.8 or newer), so it imports
 nothing from imagebuild and only the standard library besides pytest.
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from _pytest.runner import runtestprotocol
-from smoke_lib import Loader, paddle_dynload_libraries
+from smoke_lib import Loader, PaddleFacts, paddle_dynload_libraries, paddle_facts
 
 EXPECT_ENV = "IMAGEBUILD_SMOKE_EXPECT"
 DEFAULT_EXPECT = "/smoke/expect.json"
@@ -37,6 +39,7 @@ TIERS = ("abi", "gpu")
 TIMEOUT_INI = "smoke_test_timeout"
 DEFAULT_TIMEOUT_S = 60.0
 STACK_DUMP_WAIT_S = 2.0  # for faulthandler to write the stacks before the kill
+PADDLE_IMPORT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ def time_limit(item: pytest.Item) -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
     if not hasattr(os, "fork"):
         return None  # pytest runs it in this process, without a time limit
+    if "facts" in item.fixturenames or item.get_closest_marker("gpu") is not None:
+        session_paddle_facts(item.config)  # here, once: every test's process inherits the answer
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     for report in run_forked(item, time_limit(item)):
         item.ihook.pytest_runtest_logreport(report=report)
@@ -278,24 +283,42 @@ def expect(pytestconfig: pytest.Config) -> Expect:
     return pytestconfig.stash[_EXPECT]
 
 
+_FACTS = pytest.StashKey[PaddleFacts]()
+
+
+def session_paddle_facts(config: pytest.Config) -> PaddleFacts:
+    """What Paddle says about itself, asked once per session in a process of its own."""
+    if _FACTS not in config.stash:
+        config.stash[_FACTS] = paddle_facts(PADDLE_IMPORT_TIMEOUT_S)
+    return config.stash[_FACTS]
+
+
 @pytest.fixture(scope="session")
-def paddle():
-    """Paddle, imported once per session: the import alone takes seconds in a GPU image."""
+def facts(pytestconfig: pytest.Config) -> PaddleFacts:
+    """Paddle's version, build and GPUs, without importing Paddle into the test's process."""
+    found = session_paddle_facts(pytestconfig)
+    if found.error:
+        pytest.fail(f"`import paddle` fails in this image: {found.error}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def paddle(facts: PaddleFacts):
+    """Paddle itself, imported in the test's process (where the import has already worked once)."""
     import paddle as module
 
     return module
 
 
 @pytest.fixture(scope="session")
-def gpu_count(paddle, expect: Expect) -> int:
+def gpu_count(facts: PaddleFacts, expect: Expect) -> int:
     """How many GPUs Paddle sees; skips the test (with the reason) when it sees none."""
-    if not paddle.is_compiled_with_cuda():
+    if not facts.compiled_with_cuda:
         pytest.skip(f"CPU variant ({expect.variant}): the gpu tier needs a CUDA build of Paddle")
-    count = paddle.device.cuda.device_count()
-    if count == 0:
+    if facts.gpus == 0:
         why = "" if expect.gpu_requested else " (the runner requested none: no GPU on this host)"
         pytest.skip(f"no GPU visible: paddle.device.cuda.device_count() == 0{why}")
-    return count
+    return facts.gpus
 
 
 @pytest.fixture(autouse=True)

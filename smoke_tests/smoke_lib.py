@@ -303,3 +303,39 @@ def loader_error(stderr: str, returncode: int) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip() and not _LD_DEBUG_LINE.match(line)]
     why = lines[-1] if lines else "no message"
     return f"{why} (exit status {returncode})"
+
+
+# --- what Paddle says about itself ---------------------------------------------------------
+
+_FACTS_SCRIPT = """
+import json, paddle
+cuda = paddle.is_compiled_with_cuda()
+print(json.dumps({"version": paddle.__version__, "compiled_with_cuda": cuda, "cuda": paddle.version.cuda(),
+                  "cudnn": paddle.version.cudnn(), "gpus": paddle.device.cuda.device_count() if cuda else 0}))
+"""
+
+
+class PaddleFacts(NamedTuple):
+    version: Optional[str] = None
+    compiled_with_cuda: bool = False
+    cuda: Optional[str] = None  # as Paddle reports them: '11.8', or 'False' in a CPU build
+    cudnn: Optional[str] = None
+    gpus: int = 0
+    error: Optional[str] = None  # why `import paddle` failed, or that it hung
+
+
+def paddle_facts(timeout_s: float, python: str = sys.executable) -> PaddleFacts:
+    """Import Paddle in a child process and ask it its version, build and GPU count.
+
+    One import answers every test that only needs these; a hang costs `timeout_s` once.
+    """
+    try:
+        proc = subprocess.run([python, "-c", _FACTS_SCRIPT], capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return PaddleFacts(error=f"it did not finish within {timeout_s:g} s")
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.decode(errors="replace").splitlines() if line.strip()]
+        return PaddleFacts(error=f"{lines[-1] if lines else 'no message'} (exit status {proc.returncode})")
+    data = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    return PaddleFacts(version=data["version"], compiled_with_cuda=bool(data["compiled_with_cuda"]),
+                       cuda=str(data["cuda"]), cudnn=str(data["cudnn"]), gpus=int(data["gpus"]))

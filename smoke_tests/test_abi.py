@@ -33,13 +33,12 @@ pytestmark = pytest.mark.abi
 # --- Paddle itself ------------------------------------------------------------------------
 
 
-def test_paddle_imports_at_the_expected_version(paddle, expect):
-    assert paddle.__version__ == expect.paddle, \
-        f"Paddle is {paddle.__version__}, the matrix says {expect.paddle}"
+def test_paddle_imports_at_the_expected_version(facts, expect):
+    assert facts.version == expect.paddle, f"Paddle is {facts.version}, the matrix says {expect.paddle}"
 
 
-def test_cuda_build_matches_the_variant_device(paddle, expect):
-    compiled = paddle.is_compiled_with_cuda()
+def test_cuda_build_matches_the_variant_device(facts, expect):
+    compiled = facts.compiled_with_cuda
     assert compiled == (expect.device == "gpu"), (
         f"paddle.is_compiled_with_cuda() is {compiled}, but {expect.variant} is a "
         f"{expect.device.upper()} variant")
@@ -56,12 +55,12 @@ def _check_built_version(what: str, built, expected: str | None) -> None:
         f"Paddle was built with {what} {built}, the matrix says {what} {expected}"
 
 
-def test_paddle_was_built_for_the_matrix_cuda(paddle, expect):
-    _check_built_version("CUDA", paddle.version.cuda(), expect.cuda)
+def test_paddle_was_built_for_the_matrix_cuda(facts, expect):
+    _check_built_version("CUDA", facts.cuda, expect.cuda)
 
 
-def test_paddle_was_built_for_the_matrix_cudnn(paddle, expect):
-    _check_built_version("cuDNN", paddle.version.cudnn(), expect.cudnn)
+def test_paddle_was_built_for_the_matrix_cudnn(facts, expect):
+    _check_built_version("cuDNN", facts.cudnn, expect.cudnn)
 
 
 # --- the libraries Paddle opens, through the dynamic loader -------------------------------------
