@@ -6,9 +6,10 @@ folders a matrix adds (mounted elsewhere) get the same fixtures and markers.
 Each test runs in a forked process of its own with a time limit (60 s unless
 `@pytest.mark.timeout(seconds)` says otherwise): a test stuck in C code, where no Python signal
 handler can reach it, is killed and fails with its name, its limit and the Python stacks of the
-moment, and the next test runs. The image-level timeout of `imagebuild test` is only a backstop. Paddle's version, build and
-GPU count come from one `import paddle` in a child process per session (the `facts` fixture),
-so a broken import costs its time limit once, not once per test.
+moment, and the next test runs. The image-level timeout of `imagebuild test` is only a
+backstop. Paddle's version, build and GPU count come from one `import paddle` in a child
+process per session (the `facts` fixture), so a broken import costs its limit once, not once
+per test.
 
 Runs inside the image under test with the image's Python (3.8 or newer), so it imports
 nothing from imagebuild and only the standard library besides pytest.

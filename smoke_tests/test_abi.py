@@ -135,9 +135,8 @@ def paddle_loader_cudnn(expect, pytestconfig):
     """The cuDNN library file Paddle's own cuDNN loader opens in this image."""
     if expect.device != "gpu":
         pytest.skip(f"CPU variant ({expect.variant}): no cuDNN")
-    from imagebuild_smoke import (
-        loader_cases,  # the plugin; on sys.path beside this suite
-    )
+    # The suite's plugin, beside this file on sys.path.
+    from imagebuild_smoke import loader_cases
 
     case = next((c for c in loader_cases(pytestconfig) if c.loader and c.loader.name == "CUDNN"), None)
     if case is None:
