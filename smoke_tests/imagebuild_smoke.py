@@ -211,7 +211,10 @@ def run_forked(item: pytest.Item, timeout_s: float) -> List[pytest.TestReport]:
     try:
         return [config.hook.pytest_report_from_serializable(config=config, data=_tuples(d)) for d in json.loads(data)]
     except ValueError:
-        return _failed(item, f"the test's process ended without a result ({_describe(status)})", duration)
+        out, err = _left_behind(config)
+        last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), "")
+        return _failed(item, f"the test's process ended without a result ({_describe(status)})"
+                             + (f"; its last words: {last}" if last else ""), duration, out, err)
 
 
 def _tuples(data: Dict[str, Any]) -> Dict[str, Any]:
@@ -270,12 +273,24 @@ def _describe(status: int) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
-def _failed(item: pytest.Item, message: str, duration: float) -> List[pytest.TestReport]:
+def _left_behind(config: pytest.Config) -> Tuple[str, str]:
+    """What a test's process wrote before it died: pytest's capture file is shared with the fork."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    try:
+        out, err = capman.read_global_capture()
+    except (AttributeError, AssertionError, OSError, ValueError):  # capturing off (-s)
+        return "", ""
+    return out, err
+
+
+def _failed(item: pytest.Item, message: str, duration: float, out: str = "", err: str = "") -> List[pytest.TestReport]:
     """Reports for a test whose process gave none: it failed, with `message` as the reason."""
     common: Dict[str, Any] = {"nodeid": item.nodeid, "location": item.location,
                               "keywords": {k: 1 for k in item.keywords}}
+    sections = [(f"Captured {name} call", text) for name, text in (("stdout", out), ("stderr", err)) if text]
     return [pytest.TestReport(outcome="passed", longrepr=None, when="setup", **common),
-            pytest.TestReport(outcome="failed", longrepr=message, when="call", duration=duration, **common),
+            pytest.TestReport(outcome="failed", longrepr=message, when="call", duration=duration,
+                              sections=sections, **common),
             pytest.TestReport(outcome="passed", longrepr=None, when="teardown", **common)]
 
 

@@ -308,6 +308,7 @@ def test_the_next_test_still_runs():
 
 
 def test_a_crash():
+    os.write(2, b"Could not load library libcudnn_ops_infer.so.8\\n")  # as cuDNN does, before abort()
     os.abort()
 
 
@@ -329,7 +330,8 @@ def test_a_test_past_its_time_limit_fails_by_name_and_the_suite_goes_on(tmp_path
     got, summary = out["failures"], out["summary"]
     assert got["test_stuck_in_c_holding_the_gil"].startswith("timed out: still running after 2 s, so it was killed")
     assert "in test_stuck_in_c_holding_the_gil" in out["junit"]  # the Python stack at the time
-    assert got["test_a_crash"] == "the test's process ended without a result (killed by signal 6 (SIGABRT))"
+    assert got["test_a_crash"] == ("the test's process ended without a result (killed by signal 6 (SIGABRT)); "
+                                   "its last words: Could not load library libcudnn_ops_infer.so.8")
     assert got["test_a_skip_keeps_its_reason"] == "skipped: no GPU visible: the reason survives the trip from the child"
     assert got["test_a_failure_keeps_its_message"].startswith("AssertionError: libcurand.so does not resolve")
     assert (summary.passed, summary.failed, summary.skipped) == (1, 3, 1)
