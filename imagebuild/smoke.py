@@ -55,7 +55,6 @@ class Expectations:
     python: str
     cuda: str | None
     cudnn: str | None
-    libraries: tuple[str, ...]
     labels_expected: dict[str, str]
     labels_actual: dict[str, str]
     setuid_allowlist: tuple[str, ...] = ()
@@ -67,36 +66,11 @@ class Expectations:
         return {
             "schema": EXPECT_SCHEMA, "variant": self.variant, "image": self.image, "device": self.device,
             "paddle": self.paddle, "python": self.python, "cuda": self.cuda, "cudnn": self.cudnn,
-            "libraries": list(self.libraries),
             "labels": {"expected": dict(sorted(self.labels_expected.items())),
                        "actual": dict(sorted(self.labels_actual.items()))},
             "setuid_allowlist": list(self.setuid_allowlist), "uid": self.uid, "gid": self.gid,
             "gpu_requested": self.gpu_requested,
         }
-
-
-def cuda_libraries(cuda: str | None, cudnn: str | None) -> tuple[str, ...]:
-    """The sonames Paddle (and cuDNN itself) dlopen() at run time for this CUDA/cuDNN pair.
-
-    The CUDA runtime's soname is libcudart.so.11.0 for every 11.x, libcudart.so.<major> from 12
-    on, and libcudart.so.<major.minor> before 11. cuBLAS follows the CUDA major version.
-    cuDNN 8 and 9 load their sub-libraries on first use, so those are listed too.
-    """
-    if cuda is None:
-        return ()
-    major = int(cuda.split(".")[0])
-    cudart = {11: "libcudart.so.11.0"}.get(major, f"libcudart.so.{major}" if major > 11 else f"libcudart.so.{cuda}")
-    libraries = [cudart, f"libcublas.so.{major}", f"libcublasLt.so.{major}"]
-    if cudnn is not None:
-        c = int(cudnn.split(".")[0])
-        libraries.append(f"libcudnn.so.{c}")
-        if c == 8:
-            libraries += [f"libcudnn_{part}_{use}.so.8" for part in ("ops", "cnn", "adv") for use in ("infer", "train")]
-        elif c >= 9:
-            libraries += [f"libcudnn_{part}.so.{c}" for part in
-                          ("graph", "ops", "cnn", "adv", "engines_precompiled", "engines_runtime_compiled",
-                           "heuristic")]
-    return tuple(libraries)
 
 
 def expected_labels(target: Target, os_name: str, matrix: Matrix, combo: Combination,
@@ -170,7 +144,6 @@ class MatrixContext:
         return Expectations(
             variant=target.name, image=target.image, device=target.device, paddle=target.paddle,
             python=target.python, cuda=target.cuda, cudnn=target.cudnn,
-            libraries=cuda_libraries(target.cuda, target.cudnn),
             labels_expected=expected_labels(target, variant.os, m, combo, revision, self.base_name(variant)),
             labels_actual=dict(labels_actual), setuid_allowlist=m.setuid_allowlist,
             uid=m.user.uid, gid=m.user.gid, gpu_requested=gpu_requested)
@@ -201,7 +174,6 @@ def expectations_from_labels(target: Target, labels: Mapping[str, str], gpu_requ
     return Expectations(
         variant=target.name, image=target.image, device=target.device, paddle=target.paddle,
         python=target.python, cuda=target.cuda, cudnn=target.cudnn,
-        libraries=cuda_libraries(target.cuda, target.cudnn),
         labels_expected={key: labels[key] for key in REQUIRED_LABELS}, labels_actual=dict(labels),
         gpu_requested=gpu_requested)
 

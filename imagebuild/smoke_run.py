@@ -323,7 +323,9 @@ class SmokeRunner:
             working_dir=MOUNT_ROOT, mounts=mounts,
             environment={"IMAGEBUILD_SMOKE_EXPECT": EXPECT_MOUNT, "IMAGEBUILD_SMOKE_HARNESS": HARNESS_MOUNT,
                          "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp"},
-            network_disabled=True, read_only=self.options.read_only,
+            # An init as PID 1: the suite's Python as PID 1 ignores the signals it has no handler
+            # for, so a library that abort()s could leave it hanging instead of dead.
+            init=True, network_disabled=True, read_only=self.options.read_only,
             tmpfs={"/tmp": "rw,nosuid,nodev,size=2g"},
             mem_limit=self.options.memory, memswap_limit=self.options.memory,
             nano_cpus=int(self.options.cpus * 1e9), pids_limit=self.options.pids_limit,

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(HARNESS, "first"))
 sys.path.insert(1, SUITE)  # the imagebuild_smoke plugin
 sys.path.append(os.path.join(HARNESS, "last"))
 
-import pytest  # noqa: E402  (only importable once the paths above are set)
+if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this as __mp_main__
+    import pytest  # (only importable once the paths above are set)
 
-sys.exit(pytest.main(["-c", os.path.join(SUITE, "pytest.ini"), *sys.argv[1:]]))
+    sys.exit(pytest.main(["-c", os.path.join(SUITE, "pytest.ini"), *sys.argv[1:]]))

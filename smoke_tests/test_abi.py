@@ -1,7 +1,8 @@
 """The abi tier: runs on any host, GPU or not, inside the image under test.
 
-Paddle builds, CUDA libraries that the dynamic loader can find, the versions on the tag,
-a non-root user, no stray setuid files, the labels, and a tiny CPU training loop.
+Paddle builds, the libraries Paddle opens at run time (as Paddle itself names them), the
+versions on the tag, a non-root user, no stray setuid files, the labels, and a tiny CPU
+training loop.
 """
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ import sys
 from typing import Dict, List
 
 import pytest
-from smoke_lib import assert_learns, cudnn_version_string, major_minor, parse_ldconfig, setuid_files, train
+from smoke_lib import (
+    NOT_REQUIRED,
+    assert_learns,
+    cudnn_version_string,
+    major_minor,
+    parse_ldconfig,
+    probe_loader,
+    section_bytes,
+    setuid_files,
+    sonames_in,
+    train,
+)
 
 pytestmark = pytest.mark.abi
 
@@ -21,13 +33,12 @@ pytestmark = pytest.mark.abi
 # --- Paddle itself ------------------------------------------------------------------------
 
 
-def test_paddle_imports_at_the_expected_version(paddle, expect):
-    assert paddle.__version__ == expect.paddle, \
-        f"Paddle is {paddle.__version__}, the matrix says {expect.paddle}"
+def test_paddle_imports_at_the_expected_version(facts, expect):
+    assert facts.version == expect.paddle, f"Paddle is {facts.version}, the matrix says {expect.paddle}"
 
 
-def test_cuda_build_matches_the_variant_device(paddle, expect):
-    compiled = paddle.is_compiled_with_cuda()
+def test_cuda_build_matches_the_variant_device(facts, expect):
+    compiled = facts.compiled_with_cuda
     assert compiled == (expect.device == "gpu"), (
         f"paddle.is_compiled_with_cuda() is {compiled}, but {expect.variant} is a "
         f"{expect.device.upper()} variant")
@@ -44,15 +55,17 @@ def _check_built_version(what: str, built, expected: str | None) -> None:
         f"Paddle was built with {what} {built}, the matrix says {what} {expected}"
 
 
-def test_paddle_was_built_for_the_matrix_cuda(paddle, expect):
-    _check_built_version("CUDA", paddle.version.cuda(), expect.cuda)
+def test_paddle_was_built_for_the_matrix_cuda(facts, expect):
+    _check_built_version("CUDA", facts.cuda, expect.cuda)
 
 
-def test_paddle_was_built_for_the_matrix_cudnn(paddle, expect):
-    _check_built_version("cuDNN", paddle.version.cudnn(), expect.cudnn)
+def test_paddle_was_built_for_the_matrix_cudnn(facts, expect):
+    _check_built_version("cuDNN", facts.cudnn, expect.cudnn)
 
 
-# --- CUDA libraries through the dynamic loader ----------------------------------------------
+# --- the libraries Paddle opens, through the dynamic loader -------------------------------------
+
+PROBE_TIMEOUT_S = 40  # one loader call; under the test's own limit, so the message is this one
 
 
 def loader_cache() -> Dict[str, List[str]]:
@@ -60,8 +73,7 @@ def loader_cache() -> Dict[str, List[str]]:
     ldconfig = shutil.which("ldconfig") or next(
         (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
     assert ldconfig, "ldconfig is not in the image: cannot tell what the dynamic loader finds"
-    out = subprocess.run([ldconfig, "-p"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         universal_newlines=True, timeout=60, check=True).stdout
+    out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=60, check=True).stdout
     return parse_ldconfig(out)
 
 
@@ -70,19 +82,69 @@ def ld_cache() -> Dict[str, List[str]]:
     return loader_cache()
 
 
-def test_cuda_library_resolves(library, expect, ld_cache):
-    """Paddle dlopen()s these by soname on a GPU host; a missing one only shows there."""
-    if library is None:
-        pytest.skip(f"CPU variant ({expect.variant}): Paddle loads no CUDA libraries")
+def test_a_library_paddle_opens_resolves(paddle_loader, expect, ld_cache):
+    """Paddle's GPU build dlopen()s each library by name on first use: call its loader and see.
+
+    The loaders come from Paddle's own libphi.so (one test each, see imagebuild_smoke.py); each
+    runs in a process of its own, as the image's user, and glibc reports the names it asks for.
+    """
+    case = paddle_loader
+    if case.cpu_variant:
+        pytest.skip(f"CPU variant ({expect.variant}): Paddle opens no CUDA library")
+    if case.problem:
+        pytest.fail(case.problem)
+    name = case.loader.name
+    if not case.loader.required:
+        pytest.skip(f"not required: {NOT_REQUIRED[name]}")
+    probe = probe_loader(case.library, case.loader.symbol, PROBE_TIMEOUT_S)
+    loader = f"Paddle's phi::dynload::Get{name}DsoHandle"
+    asked = " or ".join(probe.names) or f"the {name} library"
+    if probe.opened is None:
+        paths = [entry for entry in probe.tried if "/" in entry]
+        how = "opens it by name" + (f", then as {', '.join(paths)}" if paths else "")
+        pytest.fail(f"{asked} does not resolve inside the image ({loader} {how}): {probe.error}")
+    # Found: through the loader cache, in Paddle's own folder (its RUNPATH), or by a path Paddle
+    # itself tries. Found only through LD_LIBRARY_PATH, it breaks for anyone who sets their own.
+    by_cache = any(n in ld_cache for n in probe.names)
+    by_path = probe.opened in probe.tried or probe.opened.startswith(case.paddle_dir.rstrip("/") + "/")
+    assert by_cache or by_path, (
+        f"{asked} resolves only through LD_LIBRARY_PATH ({probe.opened}), not the loader cache: its "
+        "folder is not in /etc/ld.so.conf.d/, or ldconfig was not rerun")
+
+
+def test_the_libraries_cudnn_opens_resolve(paddle_loader_cudnn, ld_cache):
+    """cuDNN 8 and 9 dlopen() their sub-libraries (libcudnn_cnn_infer.so.8 ...) on first use; the
+    names are strings in the cuDNN library Paddle opens."""
+    cudnn = paddle_loader_cudnn
+    names = sonames_in(section_bytes(cudnn, ".rodata"), "libcudnn_")
+    assert names, f"no libcudnn_*.so name in {cudnn}: cannot tell which sub-libraries it opens"
     problems = []
-    try:
-        ctypes.CDLL(library)
-    except OSError as exc:
-        problems.append(f"dlopen: {exc}")
-    if library not in ld_cache:
-        problems.append("not listed by `ldconfig -p` (its folder is not in /etc/ld.so.conf.d/, "
-                        "or ldconfig was not rerun)")
-    assert not problems, f"{library} does not resolve inside the image: " + "; ".join(problems)
+    for soname in names:
+        try:
+            ctypes.CDLL(soname)
+        except OSError as exc:
+            problems.append(f"{soname} (dlopen: {exc})")
+            continue
+        if soname not in ld_cache:
+            problems.append(f"{soname} (not listed by `ldconfig -p`)")
+    assert not problems, f"cuDNN ({cudnn}) cannot open: " + "; ".join(problems)
+
+
+@pytest.fixture
+def paddle_loader_cudnn(expect, pytestconfig):
+    """The cuDNN library file Paddle's own cuDNN loader opens in this image."""
+    if expect.device != "gpu":
+        pytest.skip(f"CPU variant ({expect.variant}): no cuDNN")
+    # The suite's plugin, beside this file on sys.path.
+    from imagebuild_smoke import loader_cases
+
+    case = next((c for c in loader_cases(pytestconfig) if c.loader and c.loader.name == "CUDNN"), None)
+    if case is None:
+        pytest.fail("Paddle has no cuDNN loader (phi::dynload::GetCUDNNDsoHandle)")
+    probe = probe_loader(case.library, case.loader.symbol, PROBE_TIMEOUT_S)
+    if probe.opened is None:
+        pytest.fail(f"Paddle's cuDNN library does not resolve ({probe.error}); see test_a_library_paddle_opens_resolves")
+    return os.path.realpath(probe.opened)
 
 
 def cudnn_library_version(soname: str) -> str:
