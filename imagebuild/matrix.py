@@ -206,6 +206,10 @@ TOP_LEVEL = ("schema", "name", "registry", "project", "repository", "cache_repos
 SMOKE_ALL = "all"  # the `smoke` key whose tests run in every variant
 
 
+# The most combinations one matrix may expand to (the plan benchmark's scale is 1,000 variants).
+MAX_COMBINATIONS = 5_000
+
+
 class MatrixParser:
     def __init__(self, doc: Document, support: SupportTable):
         self.doc = doc
@@ -618,6 +622,13 @@ class MatrixParser:
     def _expand(self, value: Any, path: PathKey, os_specs, cuda_specs) -> list[Combination]:
         matrix = self.r.mapping(value, path, allowed=AXES + ("exclude", "include"), required=AXES)
         axes = {axis: self._axis_values(matrix, path, axis, os_specs, cuda_specs) for axis in AXES}
+        product = 1
+        for axis in AXES:
+            product *= len(axes[axis])
+        # Counted before the product is built: a small file must not expand into minutes of work.
+        if product > MAX_COMBINATIONS:
+            raise self.r.error(path, f"the axes expand to {product:,} combinations, more than the "
+                                     f"{MAX_COMBINATIONS:,} one matrix may hold; split it into several matrices")
         originals = [dict(zip(AXES, values)) for values in itertools.product(*(axes[a] for a in AXES))]
 
         for i, entry in enumerate(self.r.sequence(matrix.get("exclude", []), path + ("exclude",))):
