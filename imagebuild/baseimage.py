@@ -353,9 +353,9 @@ def _upload(registry, repository: str, blob: Blob) -> None:
     start = registry._request("POST", f"/v2/{repository}/blobs/uploads/")
     if start.status_code != 202:
         raise RegistryError(f"starting an upload to {repository} answered {start.status_code}")
-    location = start.headers["location"]
-    done = registry._request("PUT", location, params={"digest": blob.digest}, content=blob.path.read_bytes(),
-                             headers={"Content-Type": "application/octet-stream"})
+    location = start.headers["location"]  # carries the upload's state in its query: keep it
+    done = registry._request("PUT", f"{location}{'&' if '?' in location else '?'}digest={blob.digest}",
+                             content=blob.path.read_bytes(), headers={"Content-Type": "application/octet-stream"})
     if done.status_code != 201:
         raise RegistryError(f"uploading {blob.digest} to {repository} answered {done.status_code}")
 
