@@ -4,7 +4,11 @@
 # the local Debian 12 base image, and the Python package itself.
 #
 # Usage: scripts/bootstrap.sh            (as root; safe to rerun, CI=true friendly)
+#        IMAGEBUILD_REFRESH_BASE=1 scripts/bootstrap.sh   rebuilds the base image from
+#                                        today's mirror (newer security updates, new digest)
 #        scripts/stop-services.sh        stops the daemons this script started
+# The base image's mirrors come from this machine's apt sources; IMAGEBUILD_BASE_MIRROR and
+# IMAGEBUILD_BASE_SECURITY_MIRROR replace them (see scripts/versions.env).
 #
 # Idempotent: every step first checks whether its result is already there and skips.
 # Pins live in scripts/versions.env.
@@ -483,7 +487,9 @@ build_base_image() {
     local port ref digest workdir out
     port="$(staging_port)"
     ref="127.0.0.1:$port/$BASE_REPO:$BASE_TAG"
-    if digest="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" && [ -n "$digest" ]; then
+    # IMAGEBUILD_REFRESH_BASE=1: build again from today's mirror (newer security updates).
+    if [ "${IMAGEBUILD_REFRESH_BASE:-0}" != 1 ] \
+        && digest="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" && [ -n "$digest" ]; then
         BASE_DIGEST="$digest"
         summary "base image" "$ref" "present"
         return
