@@ -40,7 +40,9 @@ BASE_DIGEST="?"
 # ---------------------------------------------------------------------------------------
 # helpers
 
-log()  { printf '[bootstrap] %s\n' "$*"; }
+# Seconds since the start on every line: background steps interleave, and the stamps show
+# where a fresh machine's minutes go.
+log()  { printf '[bootstrap] %4ss %s\n' "$((SECONDS - STARTED_AT))" "$*"; }
 warn() { printf '[bootstrap] WARNING: %s\n' "$*" >&2; }
 die()  { printf '[bootstrap] ERROR: %s\n' "$*" >&2; exit 1; }
 
