@@ -215,9 +215,10 @@ def stale_image(scanned_example, tmp_path_factory) -> Path:
     package, fixed = EXPAT["package"], EXPAT["fixed"]
     dockerfile = (
         "USER root\n"
-        "RUN set -eu; apt-get update -qq; \\\n"
-        f"    old=$(apt-cache madison {package} | awk '{{print $3}}' | while read -r v; do \\\n"
-        f"          if dpkg --compare-versions \"$v\" lt '{fixed}'; then echo \"$v\"; fi; done | head -n1); \\\n"
+        "RUN set -eu; apt-get update -qq; old=; \\\n"
+        f"    for v in $(apt-cache madison {package} | awk '{{print $3}}'); do \\\n"  # newest first
+        f"        if dpkg --compare-versions \"$v\" lt '{fixed}'; then old=$v; break; fi; \\\n"
+        "    done; \\\n"
         f"    if [ -z \"$old\" ]; then echo 'the mirror serves no {package} below {fixed}' >&2; exit 1; fi; \\\n"
         f"    apt-get install -y -qq --no-install-recommends --allow-downgrades \"{package}=$old\"; \\\n"
         "    apt-get clean; rm -rf /var/lib/apt/lists/*\n"
