@@ -389,7 +389,7 @@ wait_for_other_go_install() {
 go_tool_estimate() {
     case "$1" in
         cosign) echo "about 5 min on 2 cores" ;;
-        *)      echo "under a minute" ;;
+        *)      echo "a minute or two beside cosign" ;;
     esac
 }
 
