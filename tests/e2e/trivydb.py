@@ -17,12 +17,18 @@ SOURCE = Path(__file__).resolve().parents[1] / "fixtures" / "trivydb"
 BUILD = SOURCE / "_build"
 
 # Advisories the program writes (see main.go for where each fixed version comes from).
+# Fixed in bookworm-security: an up-to-date image carries the fix, so no finding.
 EXPAT = {"id": "CVE-2024-28757", "package": "libexpat1", "source": "expat", "fixed": "2.5.0-1+deb12u4",
          "severity": "HIGH"}
 PAM = {"id": "CVE-2024-22365", "package": "libpam0g", "source": "pam", "fixed": "1.5.2-6+deb12u3",
        "severity": "MEDIUM"}
+DEBIAN_FIXED = (EXPAT, PAM)
+# Not fixed in bookworm: every image shows them, with no fixed version.
 ZLIB = {"id": "CVE-2023-45853", "package": "zlib1g", "source": "zlib", "fixed": "", "severity": "CRITICAL",
         "status": "will_not_fix"}
+PERL = {"id": "CVE-2023-31486", "packages": ("libperl5.36", "perl", "perl-base", "perl-modules-5.36"),
+        "source": "perl", "fixed": "", "severity": "HIGH", "status": "affected"}
+# PyPI: the pip that `python3 -m venv` puts into the image (Debian's bundled 23.0.1 wheel).
 PIP = {"id": "CVE-2023-5752", "package": "pip", "fixed": "23.3", "severity": "MEDIUM"}
 
 
