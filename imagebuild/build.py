@@ -20,12 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from docker.errors import DockerException
+
+from . import publish
 from .matrix import Matrix
 from .plan import Plan, Variant, build_plan
 from .registry import ImageRef, Registry, RegistryError, head_many
 from .render import check_tree
 from .source import InputError
-from .tools import Runner, docker_cli
+from .tools import Result, Runner, docker_cli
 
 REPORT_SCHEMA = "imagebuild.build-report/v1"
 
@@ -45,6 +48,9 @@ class LayerRecord:
     duration_s: float | None = None
     log: str | None = None
     error: str | None = None
+    steps: dict[str, float] | None = None  # seconds per step: build_s, export_s, compress_s, upload_s, push_s
+    pushed_by: str | None = None  # "imagebuild" (publish.py) or "docker push"
+    blobs: dict[str, int] | None = None  # uploaded, uploaded_bytes, present (already in the registry)
 
 
 @dataclass
@@ -157,6 +163,7 @@ class BuildOptions:
     workdir: Path = Path(".imagebuild")
     secrets: dict[str, str] = field(default_factory=dict)  # secret id -> file path on this host
     secret_values: tuple[str, ...] = ()  # to redact from logs
+    push: str = "imagebuild"  # or "docker": `docker push`, one core, gzip level 6 (see publish.py)
 
 
 def git_revision(cwd: Path) -> tuple[str, str]:
@@ -338,18 +345,59 @@ class Builder:
         cmd.append(str(self.options.dockerfiles / layer.path))
         result = self.runner.run(cmd, secrets=self.options.secret_values, log=log,
                                  env={"DOCKER_BUILDKIT": "1"})
+        rec.steps = {"build_s": round(time.monotonic() - started, 1)}
         if result.returncode == 0 and not self.cancelled.is_set():
-            push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values)
-            with log.open("a", encoding="utf-8") as handle:
-                handle.write(push.output)
-            digest = _pushed_digest(push.output) if push.returncode == 0 else None
+            pushed = time.monotonic()
+            digest, result = self._push(docker, key, log)
+            rec.steps["push_s"] = round(time.monotonic() - pushed, 1)
             if digest:
                 self._mark(key, "built", digest=digest, duration_s=round(time.monotonic() - started, 1))
                 return True
-            result = push
         tail = "\n".join(result.output.strip().splitlines()[-15:])
         self._mark(key, "failed", duration_s=round(time.monotonic() - started, 1), error=tail)
         return False
+
+    def _push(self, docker: str, key: str, log: Path) -> tuple[str | None, Result]:
+        """Push the built image: publish.py's parallel push, or `docker push` when asked to.
+
+        The engine's save format is the one thing publish.py may not know (a newer engine);
+        then `docker push` does the work, and the log says so. Any other failure fails the layer.
+        """
+        rec = self.report.layer(key)
+        if self.options.push != "docker":
+            layer = self.plan.layers[key]
+            # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
+            base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
+            parent = ImageRef.parse(f"{base.split('@')[0]}@{rec.base_digest}") if base and rec.base_digest else None
+            spool = self.options.workdir / "spool"
+            spool.mkdir(parents=True, exist_ok=True)
+            try:
+                pushed = publish.publish(rec.image, ImageRef.parse(rec.image), parent, spool=spool)
+            except publish.UnsupportedSave as exc:
+                note = f"imagebuild: push: {exc}; falling back to `docker push`\n"
+            except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
+                message = f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n"
+                with log.open("a", encoding="utf-8") as handle:
+                    handle.write(message)
+                return None, Result(1, message)
+            else:
+                rec.pushed_by = "imagebuild"
+                assert rec.steps is not None
+                rec.steps.update(pushed.steps)
+                rec.blobs = {"uploaded": pushed.uploaded, "uploaded_bytes": pushed.uploaded_bytes,
+                             "present": pushed.present}
+                with log.open("a", encoding="utf-8") as handle:
+                    handle.write(f"imagebuild: pushed {rec.image}@{pushed.digest}: {pushed.uploaded} blob(s) "
+                                 f"uploaded ({pushed.uploaded_bytes} bytes), {pushed.present} already there; "
+                                 f"{pushed.steps}\n")
+                return pushed.digest, Result(0, "")
+            with log.open("a", encoding="utf-8") as handle:
+                handle.write(note)
+        push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values)
+        with log.open("a", encoding="utf-8") as handle:
+            handle.write(push.output)
+        rec.pushed_by = "docker push"
+        return (_pushed_digest(push.output) if push.returncode == 0 else None), push
 
     def _tag_variants(self) -> None:
         """Release tags only for variants whose whole chain is in the registry."""

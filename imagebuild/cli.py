@@ -373,6 +373,12 @@ def print_build_summary(report: building.BuildReport, path: Path, output_format:
                    f"{summary.get('skipped', 0)} skipped")
     for v in report.variants:
         click.echo(f"  {v.status:8} {v.id}  {v.image or ''}")
+    timed = [rec for rec in report.layers if rec.steps]
+    if timed:
+        click.echo("where the time went (s):")
+    for rec in timed:
+        steps = "  ".join(f"{name.removesuffix('_s')} {value}" for name, value in (rec.steps or {}).items())
+        click.echo(f"  {rec.path:60} {steps}  ({rec.pushed_by or 'not pushed'})")
     for rec in report.layers:
         if rec.status == "failed":
             click.echo(f"\nFAILED {rec.path} (log: {rec.log}):\n{rec.error}", err=True)

@@ -24,10 +24,11 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any
 
 from .registry import ImageRef, Registry, RegistryError
 
