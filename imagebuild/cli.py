@@ -305,11 +305,15 @@ def render(matrix_path: Path, out: Path | None, check: bool, output_format: str)
               show_default=True, help="Where the build report and logs go.")
 @click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
               help="Take a declared build secret from this file instead (e.g. from CI's secret store).")
+@click.option("--push-with", type=click.Choice(["imagebuild", "docker"]), default="imagebuild", show_default=True,
+              help="imagebuild: new layers gzipped on every core, the parent's blobs reused; "
+                   "docker: `docker push` (one core).")
 @revision_option
 @format_option("table", "json")
 @reports_input_errors
 def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
-          workdir: Path, secret_overrides: tuple[str, ...], revision: str | None, output_format: str) -> None:
+          workdir: Path, secret_overrides: tuple[str, ...], push_with: str, revision: str | None,
+          output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
 
     Layer images go to the cache repository under their content keys; each variant gets its
@@ -338,7 +342,8 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
     secrets = building.secret_files(matrix, overrides)
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
-                                    workdir=workdir, secrets=secrets.paths, secret_values=secrets.values)
+                                    workdir=workdir, secrets=secrets.paths, secret_values=secrets.values,
+                                    push=push_with)
     view = progress_for(stderr)
     for rec in report.layers:
         if rec.status == "to-build":
