@@ -41,9 +41,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from imagebuild.build import _pushed_digest, git_revision, prepare
+from imagebuild.build import git_revision, prepare
 from imagebuild.matrix import load_matrix
 from imagebuild.plan import variant_selector
+from imagebuild.publish import pushed_digest
 from imagebuild.tools import docker_cli
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
@@ -177,7 +178,7 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
         if build.returncode != 0:
             raise RuntimeError(f"docker build {layer.path} failed:\n{build.stderr[-2000:]}")
         push = subprocess.run([docker, "push", image], capture_output=True, text=True, check=False)
-        digest = _pushed_digest(push.stdout) if push.returncode == 0 else None
+        digest = pushed_digest(push.stdout) if push.returncode == 0 else None
         if not digest:
             raise RuntimeError(f"docker push {image} failed:\n{push.stdout[-1000:]}{push.stderr[-1000:]}")
         with lock:

@@ -274,6 +274,8 @@ class Builder:
             self._tag_variants()
             return self._finish()
         docker = docker_cli()
+        self.pusher = publish.Pusher(docker, self.runner, self.options.workdir / "spool", self.cancelled,
+                                     self.options.push, self.options.secret_values)
         self.options.workdir.joinpath("logs").mkdir(parents=True, exist_ok=True)
         done: set[str] = {rec.key for rec in self.report.layers if rec.status == "reused"}
         failed: set[str] = set()
@@ -348,7 +350,7 @@ class Builder:
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}
         if result.returncode == 0 and not self.cancelled.is_set():
             pushed = time.monotonic()
-            digest, result = self._push(docker, key, log)
+            digest, result = self._push(key, log)
             rec.steps["push_s"] = round(time.monotonic() - pushed, 1)
             if digest:
                 self._mark(key, "built", digest=digest, duration_s=round(time.monotonic() - started, 1))
@@ -357,47 +359,25 @@ class Builder:
         self._mark(key, "failed", duration_s=round(time.monotonic() - started, 1), error=tail)
         return False
 
-    def _push(self, docker: str, key: str, log: Path) -> tuple[str | None, Result]:
-        """Push the built image: publish.py's parallel push, or `docker push` when asked to.
-
-        The engine's save format is the one thing publish.py may not know (a newer engine);
-        then `docker push` does the work, and the log says so. Any other failure fails the layer.
-        """
+    def _push(self, key: str, log: Path) -> tuple[str | None, Result]:
+        """Push the built image the cheaper way (publish.Pusher); any failure fails the layer."""
         rec = self.report.layer(key)
-        if self.options.push != "docker":
-            layer = self.plan.layers[key]
-            # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
-            base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
-            parent = ImageRef.parse(f"{base.split('@')[0]}@{rec.base_digest}") if base and rec.base_digest else None
-            spool = self.options.workdir / "spool"
-            spool.mkdir(parents=True, exist_ok=True)
-            try:
-                pushed = publish.publish(rec.image, ImageRef.parse(rec.image), parent, spool=spool)
-            except publish.UnsupportedSave as exc:
-                note = f"imagebuild: push: {exc}; falling back to `docker push`\n"
-            except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
-                message = f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n"
-                with log.open("a", encoding="utf-8") as handle:
-                    handle.write(message)
-                return None, Result(1, message)
-            else:
-                rec.pushed_by = "imagebuild"
-                assert rec.steps is not None
-                rec.steps.update(pushed.steps)
-                rec.blobs = {"uploaded": pushed.uploaded, "uploaded_bytes": pushed.uploaded_bytes,
-                             "present": pushed.present}
-                with log.open("a", encoding="utf-8") as handle:
-                    handle.write(f"imagebuild: pushed {rec.image}@{pushed.digest}: {pushed.uploaded} blob(s) "
-                                 f"uploaded ({pushed.uploaded_bytes} bytes), {pushed.present} already there; "
-                                 f"{pushed.steps}\n")
-                return pushed.digest, Result(0, "")
-            with log.open("a", encoding="utf-8") as handle:
-                handle.write(note)
-        push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values)
+        layer = self.plan.layers[key]
+        # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
+        base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
+        parent = ImageRef.parse(f"{base.split('@')[0]}@{rec.base_digest}") if base and rec.base_digest else None
+        try:
+            pushed = self.pusher.push(rec.image, parent)
+        except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
+            pushed = publish.Pushed(None, "imagebuild",
+                                    f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n")
         with log.open("a", encoding="utf-8") as handle:
-            handle.write(push.output)
-        rec.pushed_by = "docker push"
-        return (_pushed_digest(push.output) if push.returncode == 0 else None), push
+            handle.write(pushed.output)
+        rec.pushed_by = pushed.by
+        assert rec.steps is not None
+        rec.steps.update(pushed.steps)
+        rec.blobs = pushed.blobs
+        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output)
 
     def _tag_variants(self) -> None:
         """Release tags only for variants whose whole chain is in the registry."""
@@ -432,13 +412,6 @@ class Builder:
 
     def _write(self) -> None:
         self.report.write(self.options.workdir / "build-report.json")
-
-
-def _pushed_digest(output: str) -> str | None:
-    for line in output.splitlines():
-        if "digest: sha256:" in line:
-            return "sha256:" + line.split("digest: sha256:", 1)[1].split()[0]
-    return None
 
 
 @dataclass
