@@ -134,3 +134,32 @@ def test_the_save_directory_of_every_layer_below_the_top_is_known_before_its_byt
     diff_ids = engine.images.get(parent_image).attrs["RootFS"]["Layers"]
     assert len(diff_ids) == 3
     assert legacy_layer_ids(below_top, diff_ids) == directories[:-1]
+
+
+def test_a_build_pushes_its_new_layers_itself_and_reports_where_the_time_went(built_example, tmp_path,
+                                                                             fresh_repository):
+    from .conftest import copy_matrix, imagebuild
+
+    nonce = uuid.uuid4().hex
+
+    def add_layer_to_cpu_variant(data):
+        data["repository"] = fresh_repository
+        data["extra_layers"] = [{"name": "pushed", "run": [f"echo {nonce} > /etc/imagebuild-e2e-pushed"],
+                                 "when": {"paddle": "3.3.1"}}]
+
+    matrix = copy_matrix(tmp_path, add_layer_to_cpu_variant)
+    run = imagebuild("build", "--matrix", str(matrix), "--workdir", str(tmp_path / "w"), "--only", "device=cpu")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "where the time went" in run.stdout
+    report = json.loads((tmp_path / "w" / "build-report.json").read_text())
+    built = [rec for rec in report["layers"] if rec["status"] == "built"]
+    assert {rec["path"].split("/")[0] for rec in built} == {"extra", "release"}
+    for rec in built:
+        assert rec["pushed_by"] == "imagebuild"
+        assert {"build_s", "export_s", "compress_s", "upload_s", "push_s"} <= set(rec["steps"])
+        ref = ImageRef.parse(rec["image"])
+        assert httpx.head(f"http://{ref.registry}/v2/{ref.repository}/manifests/{ref.tag}",
+                          headers={"Accept": DOCKER_MANIFEST}).headers["docker-content-digest"] == rec["digest"]
+    extra = next(rec for rec in built if rec["path"].startswith("extra/"))
+    # Its parent's gigabyte of layers is in the registry: only its own small layer(s) and config go up.
+    assert 0 < extra["blobs"]["uploaded_bytes"] < 1_000_000
