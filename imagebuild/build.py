@@ -360,7 +360,7 @@ class Builder:
         return False
 
     def _push(self, key: str, log: Path) -> tuple[str | None, Result]:
-        """Push the built image the cheaper way (publish.Pusher); any failure fails the layer."""
+        """Push the built image (publish.Pusher); any failure fails the layer, with the reason in its log."""
         rec = self.report.layer(key)
         layer = self.plan.layers[key]
         # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
