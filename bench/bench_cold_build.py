@@ -184,6 +184,7 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
         with lock:
             layers.append({"path": layer.path, "digest": digest, "status": "built",
                            "build_s": round(built - started, 1), "push_s": round(time.monotonic() - built, 1)})
+            print(f"[peer] {layers[-1]}", file=sys.stderr, flush=True)
         return digest
 
     started = time.monotonic()
