@@ -137,14 +137,14 @@ def run_imagebuild(matrix: Path, only: list[str], jobs: int, scratch: Path) -> d
     for selector in only:
         cmd += ["--only", selector]
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False,
-                          env={k: v for k, v in os.environ.items() if k != "IMAGEBUILD_NETRC"})
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, cwd=REPO, check=False,
+                          env={k: v for k, v in os.environ.items() if k != "IMAGEBUILD_NETRC"})  # progress: stderr
     total = time.monotonic() - started
     report = json.loads((workdir / "build-report.json").read_text())
     layers = [{"path": rec["path"], "digest": rec["digest"], "status": rec["status"], **(rec.get("steps") or {}),
                "blobs": rec.get("blobs")} for rec in report["layers"]]
     return {"ok": proc.returncode == 0, "total_s": round(total, 1), "layers": layers,
-            "error": None if proc.returncode == 0 else proc.stderr[-3000:]}
+            "error": None if proc.returncode == 0 else proc.stdout[-3000:]}
 
 
 def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
