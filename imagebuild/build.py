@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from docker.errors import DockerException
+
+from . import publish
 from .matrix import Matrix
 from .plan import Plan, Variant, build_plan, plan_record
 from .registry import ImageRef, Registry, RegistryError, head_many
@@ -32,7 +35,7 @@ from .report import (
     VariantStatus,
 )
 from .source import InputError
-from .tools import Runner, cancel_requested, docker_cli, uninterrupted
+from .tools import Result, Runner, cancel_requested, docker_cli, uninterrupted
 
 # --- planning against the registry ----------------------------------------------------
 
@@ -47,6 +50,7 @@ class BuildOptions:
     secret_values: tuple[str, ...] = ()  # to redact from logs
     layer_timeout_s: float = 3600  # one layer's `docker build`; then it fails as "timed out after N s"
     push_timeout_s: float = 1800  # one layer's push to the cache repository
+    push: str = "imagebuild"  # or "docker": `docker push`, one core, gzip level 6 (see publish.py)
 
 
 def git_revision(cwd: Path) -> tuple[str, str]:
@@ -195,6 +199,8 @@ class Builder:
 
     def _build(self, todo: set[str]) -> None:
         docker = docker_cli()
+        self.pusher = publish.Pusher(docker, self.runner, self.options.workdir / "spool", self.cancelled,
+                                     self.options.push, self.options.secret_values, self.options.push_timeout_s)
         self.options.workdir.joinpath("logs").mkdir(parents=True, exist_ok=True)
         done: set[str] = {rec.key for rec in self.report.layers if rec.status == "reused"}
         failed: set[str] = set()
@@ -273,15 +279,14 @@ class Builder:
         cmd.append(str(self.options.dockerfiles / layer.path))
         result = self.runner.run(cmd, secrets=self.options.secret_values, log=log,
                                  env={"DOCKER_BUILDKIT": "1"}, timeout=self.options.layer_timeout_s)
+        rec.steps = {"build_s": round(time.monotonic() - started, 1)}
         error = None
         if result.timed_out:
             error = f"timed out after {self.options.layer_timeout_s:g} s"
         elif result.returncode == 0 and not self.stopping:
-            push = self.runner.run([docker, "push", rec.image], log=None, secrets=self.options.secret_values,
-                                   timeout=self.options.push_timeout_s)
-            with log.open("a", encoding="utf-8") as handle:
-                handle.write(push.output)
-            digest = _pushed_digest(push.output) if push.returncode == 0 else None
+            pushed = time.monotonic()
+            digest, push = self._push(key, log)
+            rec.steps["push_s"] = round(time.monotonic() - pushed, 1)
             if digest:
                 self._mark(key, "built", digest=digest, duration_s=round(time.monotonic() - started, 1))
                 return True
@@ -295,6 +300,26 @@ class Builder:
         tail = "\n".join(result.output.strip().splitlines()[-15:])
         self._mark(key, "failed", duration_s=duration, error=error or tail)
         return False
+
+    def _push(self, key: str, log: Path) -> tuple[str | None, Result]:
+        """Push the built image (publish.Pusher); any failure fails the layer, with the reason in its log."""
+        rec = self.report.layer(key)
+        layer = self.plan.layers[key]
+        # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
+        base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
+        parent = ImageRef.parse(f"{base.split('@')[0]}@{rec.base_digest}") if base and rec.base_digest else None
+        try:
+            pushed = self.pusher.push(rec.image, parent)
+        except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
+            pushed = publish.Pushed(None, "imagebuild",
+                                    f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n")
+        with log.open("a", encoding="utf-8") as handle:
+            handle.write(pushed.output)
+        rec.pushed_by = pushed.by
+        assert rec.steps is not None
+        rec.steps.update(pushed.steps)
+        rec.blobs = pushed.blobs
+        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output)
 
     def _tag_variants(self) -> None:
         """Release tags only for variants whose whole chain is in the registry."""
@@ -337,13 +362,6 @@ class Builder:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def _pushed_digest(output: str) -> str | None:
-    for line in output.splitlines():
-        if "digest: sha256:" in line:
-            return "sha256:" + line.split("digest: sha256:", 1)[1].split()[0]
-    return None
 
 
 @dataclass

@@ -264,9 +264,16 @@ class LayerRecord(_StatusField):
     duration_s: float | None = None
     log: str | None = None
     error: str | None = None
+    steps: dict[str, float] | None = None  # seconds per step: build_s, export_s, compress_s, upload_s, push_s
+    pushed_by: str | None = None  # "imagebuild" (publish.py) or "docker push"
+    blobs: dict[str, int] | None = None  # uploaded, uploaded_bytes, present (already in the registry)
+
+    # Written only when set: a layer that was reused, not pushed, reads as it did before they existed.
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("steps", "pushed_by", "blobs")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                if not (f.name in self._OPTIONAL and getattr(self, f.name) is None)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerRecord:

@@ -41,12 +41,15 @@ from .common import (
               help="Stop a layer's build after this long; it fails as 'timed out after N s'.")
 @click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
               help="Take a declared build secret from this file instead (e.g. from CI's secret store).")
+@click.option("--push-with", type=click.Choice(["imagebuild", "docker"]), default="imagebuild", show_default=True,
+              help="imagebuild: new layers gzipped on every core, the parent's blobs reused; "
+                   "docker: `docker push` (one core).")
 @revision_option
 @format_option("table", "json")
 @reports_input_errors
 def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
-          workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], revision: str | None,
-          output_format: str) -> None:
+          workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], push_with: str,
+          revision: str | None, output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
 
     Layer images go to the cache repository under their content keys; each variant gets its
@@ -70,7 +73,7 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
                                     workdir=workdir, secrets=secrets.paths, secret_values=secrets.values,
-                                    layer_timeout_s=layer_timeout_s)
+                                    layer_timeout_s=layer_timeout_s, push=push_with)
     view = progress_for(stderr)
     for rec in report.layers:
         if rec.status == "to-build":
@@ -103,6 +106,12 @@ def print_build_summary(report: reporting.BuildReport, path: Path, output_format
                    f"{summary.get('skipped', 0)} skipped")
     for v in report.variants:
         click.echo(f"  {v.status:8} {v.id}  {v.image or ''}")
+    timed = [rec for rec in report.layers if rec.steps]
+    if timed:
+        click.echo("where the time went (s):")
+    for rec in timed:
+        steps = "  ".join(f"{name.removesuffix('_s')} {value}" for name, value in (rec.steps or {}).items())
+        click.echo(f"  {rec.path:60} {steps}  ({rec.pushed_by or 'not pushed'})")
     for rec in report.layers:
         if rec.status == "failed":
             click.echo(f"\nFAILED {rec.path} (log: {rec.log}):\n{rec.error}", err=True)

@@ -130,7 +130,9 @@ def test_a_pip_requirement_with_operators_and_a_marker_installs_as_written(engin
         data["repository"] = fresh_repository
         data["extra_layers"] = [{"name": "operators", "when": {"paddle": "3.3.1"},
                                  "pip": {"packages": [requirement]},
-                                 "run": [f"python -c \"{check}\"; test ! -e '=1.16,' && test ! -e /workspace/=1.16,"]}]
+                                 # The repository name makes the layer's key this test's own: it must build.
+                                 "run": [f": {fresh_repository}; python -c \"{check}\"; "
+                                         "test ! -e '=1.16,' && test ! -e /workspace/=1.16,"]}]
 
     matrix = copy_matrix(tmp_path, add_a_layer_with_an_operator_requirement)
     dockerfile = next((matrix.parent / "dockerfiles" / "extra").glob("*/Dockerfile")).read_text()
