@@ -190,6 +190,26 @@ class _Compressed:
     path: Path
 
 
+def _even_chunks(chunks: Iterable[bytes], size: int = CHUNK) -> Iterator[bytes]:
+    """The same bytes in pieces of exactly `size` (the last may be shorter).
+
+    igzip_threaded's output depends on how its input was cut, so the same tar must reach it
+    in the same pieces whether it came from the engine's storage or from `docker save`:
+    otherwise the same layer gets another blob digest, and the image another manifest digest.
+    """
+    pending = bytearray()
+    for chunk in chunks:
+        if not pending and len(chunk) == size:
+            yield chunk
+            continue
+        pending += chunk
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
+
+
 def _compress(chunks: Iterable[bytes], target: Path, threads: int, level: int,
               cancelled: threading.Event) -> tuple[_Compressed, float]:
     """gzip the stream `chunks` into `target` on `threads` cores, hashing it in the same pass:
@@ -202,7 +222,7 @@ def _compress(chunks: Iterable[bytes], target: Path, threads: int, level: int,
         sink = _HashingFile(handle)
         writer = igzip_threaded.open(sink, "wb", compresslevel=level, threads=threads)
         try:
-            for chunk in chunks:
+            for chunk in _even_chunks(chunks):
                 if cancelled.is_set():
                     raise PublishError("interrupted")
                 diff.update(chunk)
