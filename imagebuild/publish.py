@@ -1,11 +1,16 @@
 """Pushing a built layer image to the registry without `docker push`.
 
 `docker push` (engine 20.10) gzips each layer at Go's default level on one core: measured
-here, 3 GB of layers took ten minutes on a busy 2-core machine. Instead the image is streamed
-out of the engine (`docker save`), the layers its parent already has in the registry are
-skipped, the new ones are hashed and gzipped with ISA-L on every core while the stream goes
-on, uploaded as blobs, and a Docker v2 schema 2 manifest (what Docker 20.10 and containerd
-pull) is put last, so the tag never points at a missing blob.
+here, 3 GB of layers took ten minutes on a busy 2-core machine. Instead the layers the
+image's parent already has in the registry are skipped, the new ones are hashed and gzipped
+with ISA-L on every core, uploaded as blobs, and a Docker v2 schema 2 manifest (what Docker
+20.10 and containerd pull) is put last, so the tag never points at a missing blob.
+
+The bytes come from the engine's own storage when this process can read it (layerstore.py:
+the config by image id, each new layer's tar rebuilt from its tar-split record), so a layer
+costs what it adds, not its chain; each is checked against the image id and diff_ids as it
+streams. Whatever the storage cannot give (another host, another driver, a layer that does
+not hash right) comes from `docker save` instead, which copies the whole chain first.
 
 The engine's save format (docker 20.10): one `<v1 id>/layer.tar` per layer, in the lexical
 order of the v1 ids, the image config as `<image id>.json`, and `manifest.json` last. The v1
