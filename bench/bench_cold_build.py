@@ -142,7 +142,7 @@ def run_imagebuild(matrix: Path, only: list[str], jobs: int, scratch: Path) -> d
     total = time.monotonic() - started
     report = json.loads((workdir / "build-report.json").read_text())
     layers = [{"path": rec["path"], "digest": rec["digest"], "status": rec["status"], **(rec.get("steps") or {}),
-               "blobs": rec.get("blobs")} for rec in report["layers"]]
+               "blobs": rec.get("blobs"), "pushed_by": rec.get("pushed_by")} for rec in report["layers"]]
     return {"ok": proc.returncode == 0, "total_s": round(total, 1), "layers": layers,
             "error": None if proc.returncode == 0 else proc.stdout[-3000:]}
 
@@ -261,7 +261,8 @@ def main() -> int:
               f"(load average {side['load_before']} -> {side['load_after']})")
         for layer in side["layers"]:
             steps = "  ".join(f"{k.removesuffix('_s')} {v}" for k, v in layer.items() if k.endswith("_s"))
-            print(f"  {layer['path']:62} {steps}")
+            by = f"  ({layer['pushed_by']})" if layer.get("pushed_by") else ""
+            print(f"  {layer['path']:62} {steps}{by}")
         print(f"  {'sum over layers':62} " + "  ".join(f"{k.removesuffix('_s')} {v}" for k, v in side["sum"].items()))
         if side["error"]:
             print(f"  error: {side['error']}")

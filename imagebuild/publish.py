@@ -1,11 +1,16 @@
 """Pushing a built layer image to the registry without `docker push`.
 
 `docker push` (engine 20.10) gzips each layer at Go's default level on one core: measured
-here, 3 GB of layers took ten minutes on a busy 2-core machine. Instead the image is streamed
-out of the engine (`docker save`), the layers its parent already has in the registry are
-skipped, the new ones are hashed and gzipped with ISA-L on every core while the stream goes
-on, uploaded as blobs, and a Docker v2 schema 2 manifest (what Docker 20.10 and containerd
-pull) is put last, so the tag never points at a missing blob.
+here, 3 GB of layers took ten minutes on a busy 2-core machine. Instead the layers the
+image's parent already has in the registry are skipped, the new ones are hashed and gzipped
+with ISA-L on every core, uploaded as blobs, and a Docker v2 schema 2 manifest (what Docker
+20.10 and containerd pull) is put last, so the tag never points at a missing blob.
+
+The bytes come from the engine's own storage when this process can read it (layerstore.py:
+the config by image id, each new layer's tar rebuilt from its tar-split record), so a layer
+costs what it adds, not its chain; each is checked against the image id and diff_ids as it
+streams. Whatever the storage cannot give (another host, another driver, a layer that does
+not hash right) comes from `docker save` instead, which copies the whole chain first.
 
 The engine's save format (docker 20.10): one `<v1 id>/layer.tar` per layer, in the lexical
 order of the v1 ids, the image config as `<image id>.json`, and `manifest.json` last. The v1
@@ -16,6 +21,7 @@ wrong image.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .layerstore import EngineStorage, StorageUnreadable
 from .registry import ImageRef, Registry, RegistryError
 
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
@@ -69,6 +76,8 @@ class PushResult:
     uploaded: int = 0  # blobs sent
     uploaded_bytes: int = 0
     present: int = 0  # blobs the registry had already (parent layers, or a rerun)
+    source: str = "docker save"  # where the config and new layers were read: STORAGE or SAVE
+    notes: list[str] = field(default_factory=list)  # why the engine's storage was not used, if so
 
 
 # --- pure parts -------------------------------------------------------------------------
@@ -186,9 +195,30 @@ class _Compressed:
     path: Path
 
 
-def _compress(source: IO[bytes], target: Path, threads: int, level: int,
+def _even_chunks(chunks: Iterable[bytes], size: int = CHUNK) -> Iterator[bytes]:
+    """The same bytes in pieces of exactly `size` (the last may be shorter).
+
+    igzip_threaded's output depends on how its input was cut, so the same tar must reach it
+    in the same pieces whether it came from the engine's storage or from `docker save`:
+    otherwise the same layer gets another blob digest, and the image another manifest digest.
+    """
+    pending = bytearray()
+    for chunk in chunks:
+        if not pending and len(chunk) == size:
+            yield chunk
+            continue
+        pending += chunk
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
+
+
+def _compress(chunks: Iterable[bytes], target: Path, threads: int, level: int,
               cancelled: threading.Event) -> tuple[_Compressed, float]:
-    """gzip `source` into `target` on `threads` cores: (result, seconds spent compressing)."""
+    """gzip the stream `chunks` into `target` on `threads` cores, hashing it in the same pass:
+    (result, seconds spent compressing)."""
     from isal import igzip_threaded  # the one module that needs ISA-L
 
     diff = hashlib.sha256()
@@ -197,10 +227,7 @@ def _compress(source: IO[bytes], target: Path, threads: int, level: int,
         sink = _HashingFile(handle)
         writer = igzip_threaded.open(sink, "wb", compresslevel=level, threads=threads)
         try:
-            while True:
-                chunk = source.read(CHUNK)
-                if not chunk:
-                    break
+            for chunk in _even_chunks(chunks):
                 if cancelled.is_set():
                     raise PublishError("interrupted")
                 diff.update(chunk)
@@ -310,13 +337,21 @@ def _parent_blobs(registry: Registry, parent: ImageRef | None, target: ImageRef)
     return blobs
 
 
+STORAGE = "engine storage"
+SAVE = "docker save"
+
+
 def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spool: Path,
             threads: int | None = None, level: int = COMPRESSION_LEVEL, docker_client: Any = None,
-            event_hooks: dict | None = None, cancelled: threading.Event | None = None) -> PushResult:
+            event_hooks: dict | None = None, cancelled: threading.Event | None = None,
+            storage: EngineStorage | bool = True) -> PushResult:
     """Push the local image `image` to `target` (repository and tag) and return its digest.
 
     `parent`, the image it was built FROM (by digest), lends its blobs: only the layers it
     lacks are compressed and uploaded. `spool` holds the compressed layers until uploaded.
+    The config and new layers are read from the engine's storage (`storage`: True to find it
+    with `docker info`, False to never read it, or the storage to read) and checked against
+    the image id and diff_ids; whatever it cannot give comes from `docker save` instead.
     Setting `cancelled` stops the push between chunks; the tag is put last, so it is untouched.
     """
     import docker  # only the engine side needs the SDK
@@ -331,6 +366,7 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
     if not diff_ids:
         raise PublishError(f"{image}: the engine lists no layers")
     steps: dict[str, float] = {}
+    notes: list[str] = []
     with Registry(target.registry) as registry:
         if event_hooks:
             registry.client.event_hooks = event_hooks
@@ -339,60 +375,28 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
         uploads = _Uploads(registry, target.repository)
         compressed: dict[str, _Compressed] = {}
         config_raw: bytes | None = None
-        save_order: list[str] | None = None
-        positions: dict[str, int] = {}  # save directory -> layer index
-        v1_ids: list[str] | None = None
-        compress_s = 0.0
+        source = STORAGE
         started = time.monotonic()
         try:
             with tempfile.TemporaryDirectory(prefix="imagebuild-push-", dir=spool) as tmp:
-                stream = io.BufferedReader(_ChunkReader(api.get_image(image, chunk_size=CHUNK)), CHUNK)
-                with tarfile.open(fileobj=stream, mode="r|") as archive:
-                    for member in archive:
-                        if cancelled.is_set():
-                            raise PublishError("interrupted")
-                        name = member.name
-                        directory, _, leaf = name.rpartition("/")
-                        if name.startswith("blobs/") or name in ("index.json", "oci-layout"):
-                            raise UnsupportedSave("the engine saves images as an OCI layout (docker >= 25); "
-                                                  "this push reads docker 20.10's format")
-                        if leaf == "json" and directory and member.isfile():
-                            meta = json.loads(_read(archive, member))
-                            if "config" in meta:  # only the top layer carries the image config
-                                positions[directory] = len(diff_ids) - 1
-                            else:
-                                if v1_ids is None:
-                                    v1_ids = legacy_layer_ids(meta, diff_ids)
-                                if directory not in v1_ids:
-                                    raise UnsupportedSave(f"save directory {directory} matches no layer of {image}")
-                                positions[directory] = v1_ids.index(directory)
-                        elif leaf == "layer.tar" and member.isfile():
-                            if directory not in positions:
-                                raise UnsupportedSave(f"{name} came before its json")
-                            diff_id = diff_ids[positions[directory]]
-                            if diff_id in needed and diff_id not in compressed:
-                                source = archive.extractfile(member)
-                                assert source is not None
-                                done, busy = _compress(source, Path(tmp) / f"{len(compressed)}.gz",
-                                                       threads, level, cancelled)
-                                compress_s += busy
-                                if done.diff_id != diff_id:
-                                    raise PublishError(f"layer {positions[directory]} of {image}: the saved "
-                                                       f"bytes hash to {done.diff_id}, the engine says {diff_id}")
-                                compressed[diff_id] = done
-                                uploads.submit(done.blob.digest, done.blob.size, path=done.path)
-                        elif name == image_id.split(":", 1)[1] + ".json":
-                            config_raw = _read(archive, member)
-                        elif name == "manifest.json":
-                            entries = json.loads(_read(archive, member))
-                            save_order = [layer.split("/")[0] for layer in entries[0]["Layers"]]
-                    steps["export_s"] = round(time.monotonic() - started, 1)
-                    steps["compress_s"] = round(compress_s, 1)
-                    _check_save(image, image_id, diff_ids, positions, save_order, config_raw, needed, compressed)
-                    assert config_raw is not None
-                    config = Descriptor(DOCKER_CONFIG, image_id, len(config_raw))
-                    uploads.submit(config.digest, config.size, data=config_raw)
-                    uploads.wait()
+                try:
+                    engine_storage = storage if isinstance(storage, EngineStorage) else \
+                        EngineStorage.from_info(api.info()) if storage else None
+                    if engine_storage is None:
+                        raise StorageUnreadable("not asked to read it")
+                    config_raw = _from_storage(engine_storage, image, image_id, diff_ids, needed, compressed,
+                                               uploads, Path(tmp), threads, level, cancelled, steps)
+                except StorageUnreadable as exc:
+                    # Layers already checked and sent stay; the rest comes from the save stream.
+                    source = SAVE
+                    if storage is not False:
+                        notes.append(f"engine storage unusable for {image}: {exc}; using docker save")
+                    config_raw = _from_save(api, image, image_id, diff_ids, needed, compressed, uploads,
+                                            Path(tmp), threads, level, cancelled, steps)
+                steps["export_s"] = round(time.monotonic() - started, 1)
+                config = Descriptor(DOCKER_CONFIG, image_id, len(config_raw))
+                uploads.submit(config.digest, config.size, data=config_raw)
+                uploads.wait()
         finally:
             uploads.pool.shutdown(wait=True, cancel_futures=True)
         blobs = {**reused, **{d: c.blob for d, c in compressed.items()}}
@@ -404,7 +408,89 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
     if digest != expected:
         raise PublishError(f"{target}: the registry stored the manifest as {digest}, expected {expected}")
     return PushResult(digest=digest, steps=steps, uploaded=uploads.uploaded,
-                      uploaded_bytes=uploads.uploaded_bytes, present=uploads.present)
+                      uploaded_bytes=uploads.uploaded_bytes, present=uploads.present, source=source, notes=notes)
+
+
+def _from_storage(storage: EngineStorage, image: str, image_id: str, diff_ids: list[str], needed: list[str],
+                  compressed: dict[str, _Compressed], uploads: _Uploads, tmp: Path, threads: int, level: int,
+                  cancelled: threading.Event, steps: dict[str, float]) -> bytes:
+    """The config, and each needed layer compressed and submitted, from the engine's storage.
+
+    Only the layers in `needed` are read. Each is hashed while it is compressed and sent only
+    when it hashes to its diff_id; any other outcome is StorageUnreadable.
+    """
+    config_raw = storage.image_config(image_id)
+    if json.loads(config_raw).get("rootfs", {}).get("diff_ids") != diff_ids:
+        raise StorageUnreadable(f"{image}: the stored config lists other layers than the engine")
+    chains = dict(zip(diff_ids, chain_ids(diff_ids)))
+    for diff_id in needed:
+        if diff_id in compressed:
+            continue
+        done, busy = _compress(storage.layer_tar(chains[diff_id], diff_id), tmp / f"{len(compressed)}.gz",
+                               threads, level, cancelled)
+        steps["compress_s"] = round(steps.get("compress_s", 0.0) + busy, 1)
+        if done.diff_id != diff_id:
+            done.path.unlink(missing_ok=True)
+            raise StorageUnreadable(f"layer {diff_ids.index(diff_id)} of {image} rebuilt from storage hashes to "
+                                    f"{done.diff_id}, the engine says {diff_id}")
+        compressed[diff_id] = done
+        uploads.submit(done.blob.digest, done.blob.size, path=done.path)
+    return config_raw
+
+
+def _from_save(api: Any, image: str, image_id: str, diff_ids: list[str], needed: list[str],
+               compressed: dict[str, _Compressed], uploads: _Uploads, tmp: Path, threads: int, level: int,
+               cancelled: threading.Event, steps: dict[str, float]) -> bytes:
+    """The config, and each needed layer not yet in `compressed`, from the `docker save` stream."""
+    save_order: list[str] | None = None
+    positions: dict[str, int] = {}  # save directory -> layer index
+    v1_ids: list[str] | None = None
+    config_raw: bytes | None = None
+    compress_s = 0.0
+    stream = io.BufferedReader(_ChunkReader(api.get_image(image, chunk_size=CHUNK)), CHUNK)
+    with tarfile.open(fileobj=stream, mode="r|") as archive:
+        for member in archive:
+            if cancelled.is_set():
+                raise PublishError("interrupted")
+            name = member.name
+            directory, _, leaf = name.rpartition("/")
+            if name.startswith("blobs/") or name in ("index.json", "oci-layout"):
+                raise UnsupportedSave("the engine saves images as an OCI layout (docker >= 25); "
+                                      "this push reads docker 20.10's format")
+            if leaf == "json" and directory and member.isfile():
+                meta = json.loads(_read(archive, member))
+                if "config" in meta:  # only the top layer carries the image config
+                    positions[directory] = len(diff_ids) - 1
+                else:
+                    if v1_ids is None:
+                        v1_ids = legacy_layer_ids(meta, diff_ids)
+                    if directory not in v1_ids:
+                        raise UnsupportedSave(f"save directory {directory} matches no layer of {image}")
+                    positions[directory] = v1_ids.index(directory)
+            elif leaf == "layer.tar" and member.isfile():
+                if directory not in positions:
+                    raise UnsupportedSave(f"{name} came before its json")
+                diff_id = diff_ids[positions[directory]]
+                if diff_id in needed and diff_id not in compressed:
+                    source = archive.extractfile(member)
+                    assert source is not None
+                    done, busy = _compress(iter(functools.partial(source.read, CHUNK), b""),
+                                           tmp / f"{len(compressed)}.gz", threads, level, cancelled)
+                    compress_s += busy
+                    if done.diff_id != diff_id:
+                        raise PublishError(f"layer {positions[directory]} of {image}: the saved "
+                                           f"bytes hash to {done.diff_id}, the engine says {diff_id}")
+                    compressed[diff_id] = done
+                    uploads.submit(done.blob.digest, done.blob.size, path=done.path)
+            elif name == image_id.split(":", 1)[1] + ".json":
+                config_raw = _read(archive, member)
+            elif name == "manifest.json":
+                entries = json.loads(_read(archive, member))
+                save_order = [layer.split("/")[0] for layer in entries[0]["Layers"]]
+    steps["compress_s"] = round(steps.get("compress_s", 0.0) + compress_s, 1)
+    _check_save(image, image_id, diff_ids, positions, save_order, config_raw, needed, compressed)
+    assert config_raw is not None
+    return config_raw
 
 
 def _read(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
@@ -437,7 +523,7 @@ def _check_save(image: str, image_id: str, diff_ids: list[str], positions: dict[
 @dataclass
 class Pushed:
     digest: str | None
-    by: str  # "imagebuild" or "docker push"
+    by: str  # "imagebuild (engine storage)", "imagebuild (docker save)" or "docker push"
     output: str  # for the layer's log
     steps: dict[str, float] = field(default_factory=dict)
     blobs: dict[str, int] | None = None
@@ -465,9 +551,11 @@ class Pusher:
             result = publish(image, ImageRef.parse(image), parent, spool=self.spool, cancelled=self.cancelled)
         except UnsupportedSave as exc:
             return self._docker_push(image, f"imagebuild: push: {exc}; falling back to `docker push`\n")
-        return Pushed(result.digest, "imagebuild",
-                      f"imagebuild: pushed {image}@{result.digest}: {result.uploaded} blob(s) uploaded "
-                      f"({result.uploaded_bytes} bytes), {result.present} already there; {result.steps}\n",
+        notes = "".join(f"imagebuild: {note}\n" for note in result.notes)
+        return Pushed(result.digest, f"imagebuild ({result.source})",
+                      f"{notes}imagebuild: pushed {image}@{result.digest} from {result.source}: "
+                      f"{result.uploaded} blob(s) uploaded ({result.uploaded_bytes} bytes), "
+                      f"{result.present} already there; {result.steps}\n",
                       dict(result.steps), {"uploaded": result.uploaded, "uploaded_bytes": result.uploaded_bytes,
                                            "present": result.present})
 

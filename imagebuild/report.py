@@ -265,7 +265,7 @@ class LayerRecord(_StatusField):
     log: str | None = None
     error: str | None = None
     steps: dict[str, float] | None = None  # seconds per step: build_s, export_s, compress_s, upload_s, push_s
-    pushed_by: str | None = None  # "imagebuild" (publish.py) or "docker push"
+    pushed_by: str | None = None  # "imagebuild (engine storage)", "imagebuild (docker save)" or "docker push"
     blobs: dict[str, int] | None = None  # uploaded, uploaded_bytes, present (already in the registry)
 
     # Written only when set: a layer that was reused, not pushed, reads as it did before they existed.

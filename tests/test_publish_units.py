@@ -70,3 +70,13 @@ def test_chain_ids_start_with_the_first_diff_id_and_hash_each_parent_with_the_ne
     assert chain[0] == a
     assert chain[1] == _digest(f"{a} {b}")
     assert chain[2] == _digest(f"{chain[1]} {c}")
+
+
+def test_the_compressor_gets_the_same_pieces_however_the_stream_was_cut():
+    from imagebuild.publish import _even_chunks
+
+    data = bytes(range(256)) * 40
+    one_way = list(_even_chunks([data[:7], data[7:3000], data[3000:]], size=1024))
+    other_way = list(_even_chunks([data[i:i + 100] for i in range(0, len(data), 100)], size=1024))
+    assert one_way == other_way
+    assert [len(piece) for piece in one_way] == [1024] * 10

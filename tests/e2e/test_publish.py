@@ -5,7 +5,10 @@ repository of its own, so nothing here touches what other tests or people pushed
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
 import tarfile
 import uuid
@@ -14,7 +17,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild.publish import DOCKER_LAYER, DOCKER_MANIFEST, legacy_layer_ids, publish
+from imagebuild.layerstore import EngineStorage
+from imagebuild.publish import (
+    DOCKER_LAYER,
+    DOCKER_MANIFEST,
+    SAVE,
+    STORAGE,
+    chain_ids,
+    legacy_layer_ids,
+    publish,
+)
 from imagebuild.registry import ImageRef
 from imagebuild.tools import docker_cli
 
@@ -45,6 +57,14 @@ def _uploads(counter: list[str]):
     return {"request": [hook]}
 
 
+def _base(engine) -> ImageRef:
+    """The base the test images are built FROM, by the digest the engine pulled it at (the tag may
+    have moved on in the registry since)."""
+    digests = engine.images.get(BASE).attrs["RepoDigests"]
+    digest = next(d.split("@", 1)[1] for d in digests if d.startswith(BASE.rsplit(":", 1)[0] + "@"))
+    return ImageRef.parse(f"{BASE}@{digest}")
+
+
 @pytest.fixture
 def repository(staging_registry) -> str:
     return f"imagebuild-e2e/{unique('publish')}"
@@ -64,9 +84,7 @@ def parent_image(engine, tmp_path, repository):
 
 def test_a_pushed_image_is_pulled_by_docker_under_the_registrys_manifest_digest(engine, tmp_path, repository,
                                                                                parent_image):
-    base_digest = engine.images.get_registry_data(BASE).id
-    pushed = publish(parent_image, ImageRef.parse(parent_image), ImageRef.parse(f"{BASE}@{base_digest}"),
-                     spool=tmp_path)
+    pushed = publish(parent_image, ImageRef.parse(parent_image), _base(engine), spool=tmp_path)
     ref = ImageRef.parse(parent_image)
     served = httpx.head(f"http://{STAGING}/v2/{ref.repository}/manifests/{ref.tag}",
                         headers={"Accept": DOCKER_MANIFEST})
@@ -91,10 +109,9 @@ def test_a_pushed_image_is_pulled_by_docker_under_the_registrys_manifest_digest(
 
 
 def test_layers_the_registry_has_are_not_uploaded_again(engine, tmp_path, repository, parent_image):
-    base_digest = engine.images.get_registry_data(BASE).id
     uploads: list[str] = []
-    parent = publish(parent_image, ImageRef.parse(parent_image), ImageRef.parse(f"{BASE}@{base_digest}"),
-                     spool=tmp_path, event_hooks=_uploads(uploads))
+    parent = publish(parent_image, ImageRef.parse(parent_image), _base(engine), spool=tmp_path,
+                     event_hooks=_uploads(uploads))
     assert len(uploads) == parent.uploaded == 3  # its two layers and its config; the base is mounted
 
     ref = ImageRef.parse(parent_image)
@@ -155,7 +172,7 @@ def test_a_build_pushes_its_new_layers_itself_and_reports_where_the_time_went(bu
     built = [rec for rec in report["layers"] if rec["status"] == "built"]
     assert {rec["path"].split("/")[0] for rec in built} == {"extra", "release"}
     for rec in built:
-        assert rec["pushed_by"] == "imagebuild"
+        assert rec["pushed_by"] == "imagebuild (engine storage)"
         assert {"build_s", "export_s", "compress_s", "upload_s", "push_s"} <= set(rec["steps"])
         ref = ImageRef.parse(rec["image"])
         assert httpx.head(f"http://{ref.registry}/v2/{ref.repository}/manifests/{ref.tag}",
@@ -163,3 +180,97 @@ def test_a_build_pushes_its_new_layers_itself_and_reports_where_the_time_went(bu
     extra = next(rec for rec in built if rec["path"].startswith("extra/"))
     # Its parent's gigabyte of layers is in the registry: only its own small layer(s) and config go up.
     assert 0 < extra["blobs"]["uploaded_bytes"] < 1_000_000
+
+
+def _storage(engine) -> EngineStorage:
+    return EngineStorage.from_info(engine.api.info())
+
+
+def test_every_layer_rebuilt_from_the_engines_storage_hashes_to_the_engines_diff_id(engine, parent_image):
+    storage = _storage(engine)
+    info = engine.api.inspect_image(parent_image)
+    diff_ids = info["RootFS"]["Layers"]
+    assert len(diff_ids) == 3  # the base's layer and the two of the test
+    for chain_id, diff_id in zip(chain_ids(diff_ids), diff_ids):
+        rebuilt = hashlib.sha256()
+        for chunk in storage.layer_tar(chain_id, diff_id):
+            rebuilt.update(chunk)
+        assert "sha256:" + rebuilt.hexdigest() == diff_id
+    assert hashlib.sha256(storage.image_config(info["Id"])).hexdigest() == info["Id"].split(":")[1]
+
+
+def _special_files(directory: str, names: list[str]) -> set[str]:
+    """Entries that are neither files, folders nor links (device nodes, fifos, sockets)."""
+    import stat
+
+    return {n for n in names
+            if not stat.S_ISREG(mode := os.lstat(os.path.join(directory, n)).st_mode)
+            and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode)}
+
+
+def _copy_of_storage(storage: EngineStorage, image_info: dict, root: Path) -> EngineStorage:
+    """The image's config and its layers above the base, copied into a data root laid out like the
+    engine's (the base's layer, with its device nodes, stays: the registry has it, so it is never read)."""
+    copy = EngineStorage(root, storage.driver)
+    content = Path("image") / storage.driver / "imagedb" / "content" / "sha256" / image_info["Id"].split(":")[1]
+    (root / content).parent.mkdir(parents=True)
+    shutil.copy2(storage.root / content, root / content)
+    for chain_id in chain_ids(image_info["RootFS"]["Layers"])[1:]:
+        layer = storage.layerdb / chain_id.split(":")[1]
+        shutil.copytree(layer, copy.layerdb / layer.name)
+        cache_id = (layer / "cache-id").read_text().strip()
+        # Device nodes (an old base's /dev/zero) must not be read as files: copying them fills the disk.
+        shutil.copytree(storage.root / storage.driver / cache_id / "diff", root / storage.driver / cache_id / "diff",
+                        symlinks=True, ignore=_special_files)
+    return copy
+
+
+def _diff_dir(storage: EngineStorage, chain_id: str) -> Path:
+    return storage.root / storage.driver / (storage.layerdb / chain_id.split(":")[1] / "cache-id").read_text() / "diff"
+
+
+@pytest.mark.parametrize("damage", ["changed", "missing"])
+def test_a_damaged_layer_in_storage_falls_back_to_docker_save_and_pushes_the_right_image(
+        engine, tmp_path, repository, parent_image, damage):
+    base_ref = _base(engine)
+    info = engine.api.inspect_image(parent_image)
+    copy = _copy_of_storage(_storage(engine), info, tmp_path / "root")
+    top = _diff_dir(copy, chain_ids(info["RootFS"]["Layers"])[-1]) / "parent-b"
+    if damage == "changed":  # same size, one byte different: only the hash can tell
+        data = bytearray(top.read_bytes())
+        data[100] ^= 0xFF
+        top.write_bytes(bytes(data))
+    else:
+        top.unlink()
+
+    pushed = publish(parent_image, ImageRef.parse(parent_image), base_ref, spool=tmp_path, storage=copy)
+    assert pushed.source == SAVE
+    why = " ".join(pushed.notes)
+    assert ("hashes to" in why) if damage == "changed" else ("parent-b" in why)
+
+    # What went up is the engine's image: the same digest as a push from the intact storage.
+    clean = publish(parent_image, ImageRef.parse(parent_image), base_ref, spool=tmp_path)
+    assert clean.source == STORAGE and clean.digest == pushed.digest
+    ref = ImageRef.parse(parent_image)
+    validate = subprocess.run([CRANE, "validate", "--insecure", "--remote",
+                               f"{ref.registry}/{ref.repository}@{pushed.digest}"],
+                              capture_output=True, text=True, timeout=300, check=False)
+    assert validate.returncode == 0 and "PASS" in validate.stdout, validate.stdout + validate.stderr
+
+
+def test_an_image_that_adds_no_layer_uploads_only_its_config(engine, tmp_path, repository, parent_image):
+    base_ref = _base(engine)
+    parent = publish(parent_image, ImageRef.parse(parent_image), base_ref, spool=tmp_path)
+    ref = ImageRef.parse(parent_image)
+    parent_ref = f"{ref.registry}/{ref.repository}@{parent.digest}"
+    labelled = _build(tmp_path, "labelled", f"ARG PARENT\nFROM ${{PARENT}}\nLABEL e2e={uuid.uuid4().hex}\n",
+                      f"{ref.registry}/{ref.repository}:labelled", {"PARENT": parent_ref})
+    try:
+        uploads: list[str] = []
+        pushed = publish(labelled, ImageRef.parse(labelled), ImageRef.parse(parent_ref), spool=tmp_path,
+                         event_hooks=_uploads(uploads))
+        assert pushed.source == STORAGE
+        assert len(uploads) == pushed.uploaded == 1 and pushed.uploaded_bytes < 100_000  # the config alone
+        assert pushed.steps.get("compress_s", 0.0) == 0.0
+    finally:
+        engine.images.remove(labelled, force=True)
