@@ -423,6 +423,7 @@ def _from_storage(storage: EngineStorage, image: str, image_id: str, diff_ids: l
     if json.loads(config_raw).get("rootfs", {}).get("diff_ids") != diff_ids:
         raise StorageUnreadable(f"{image}: the stored config lists other layers than the engine")
     chains = dict(zip(diff_ids, chain_ids(diff_ids)))
+    steps.setdefault("compress_s", 0.0)  # every push reports the same steps, a label-only image's too
     for diff_id in needed:
         if diff_id in compressed:
             continue
