@@ -319,7 +319,7 @@ class Builder:
         assert rec.steps is not None
         rec.steps.update(pushed.steps)
         rec.blobs = pushed.blobs
-        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output)
+        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output, timed_out=pushed.timed_out)
 
     def _tag_variants(self) -> None:
         """Release tags only for variants whose whole chain is in the registry."""

@@ -528,6 +528,7 @@ class Pushed:
     output: str  # for the layer's log
     steps: dict[str, float] = field(default_factory=dict)
     blobs: dict[str, int] | None = None
+    timed_out: bool = False  # `docker push` ran past the push timeout
 
 
 class Pusher:
@@ -563,7 +564,7 @@ class Pusher:
     def _docker_push(self, image: str, note: str) -> Pushed:
         run = self.runner.run([self.docker, "push", image], log=None, secrets=self.secrets, timeout=self.timeout_s)
         digest = pushed_digest(run.output) if run.returncode == 0 else None
-        return Pushed(digest, "docker push", note + run.output)
+        return Pushed(digest, "docker push", note + run.output, timed_out=run.timed_out)
 
 
 def pushed_digest(output: str) -> str | None:
