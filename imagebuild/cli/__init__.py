@@ -14,9 +14,10 @@ import click
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .scan_commands import gate_command, scan
+from .sign_command import sign_command
 from .test_command import test_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign")
 
 
 class PipelineGroup(click.Group):
@@ -47,7 +48,7 @@ def cli(debug: bool) -> None:
 
 
 
-for command in (validate, support, plan, render, build, test_command, scan, gate_command):
+for command in (validate, support, plan, render, build, test_command, scan, gate_command, sign_command):
     cli.add_command(command)
 
 
