@@ -153,3 +153,17 @@ def test_sign_comes_after_gate_in_the_help():
     run = run_imagebuild("--help")
     commands = [line.split()[0] for line in run.stdout.split("Commands:")[1].splitlines() if line.strip()]
     assert commands.index("sign") == commands.index("gate") + 1
+
+
+def test_the_sign_record_reads_back_typed_and_keeps_what_a_newer_imagebuild_added(tmp_path):
+    from imagebuild.report import STAGE_RECORDS, SignStage, StageStatus, parse_stage
+
+    assert STAGE_RECORDS["sign"] is SignStage
+    data = {"status": "passed", "digest": DIGEST, "key": "awskms:///alias/x", "layout": "tag",
+            "signature": f"r/p:sha256-{'d' * 64}.sig", "attestations": [k.record() for k in attest.KINDS],
+            "cosign_version": "v2.6.5", "signed_at": "2026-12-01T05:00:00Z", "bundle": "from a newer imagebuild"}
+    record = parse_stage("sign", data)
+    assert isinstance(record, SignStage) and record.status is StageStatus.PASSED
+    assert record.extra == {"bundle": "from a newer imagebuild"}
+    assert {k: v for k, v in record.to_dict().items() if k in data} == data
+    assert parse_stage("sign", {"status": "refused", "reason": "x: the gate did not pass"}).status is StageStatus.REFUSED
