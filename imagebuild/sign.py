@@ -383,11 +383,24 @@ class SignRun:
         self.workdir = self.report_path.parent
 
     def run(self, variants: list[VariantRecord]) -> list[SignOutcome]:
+        """Check everything first (bad input, an unreachable registry: nothing written), then sign one by one."""
+        prepared: dict[str, dict[str, dict[str, Any]] | SignError] = {}
+        for variant in variants:
+            if refusal(variant) is None:
+                try:
+                    prepared[variant.id] = build_predicates(self.workdir, variant)  # InputError: exit 2
+                except SignError as exc:  # a record about another digest: this variant fails, the others go on
+                    prepared[variant.id] = exc
+        one_image_per_registry = {ImageRef.parse(v.image).registry: v.image for v in variants
+                                  if v.id in prepared and v.image}
+        for image in one_image_per_registry.values():
+            with registry_for(image, self.options) as client:
+                client.ping()  # RegistryError: exit 3
         outcomes = []
         for variant in variants:
             if cancel_requested():
                 break
-            outcomes.append(self.one(variant))
+            outcomes.append(self.one(variant, prepared.get(variant.id)))
         return outcomes
 
     def _record(self, variant: VariantRecord, record: SignStage) -> None:
@@ -399,7 +412,9 @@ class SignRun:
                          key=self.options.key_reference, keyless=self.options.keyless is not None,
                          cosign_version=self.cosign.version, tlog=self.options.uploads_to_tlog, **fields)
 
-    def one(self, variant: VariantRecord) -> SignOutcome:
+    def one(self, variant: VariantRecord,
+            predicates: dict[str, dict[str, Any]] | SignError | None = None) -> SignOutcome:
+        """Refuse, skip, or sign and attest one variant; `predicates` as run() prepared them (else built here)."""
         image = variant.image or ""
         why = refusal(variant)
         if why:
@@ -413,7 +428,11 @@ class SignRun:
                 return SignOutcome(variant.id, image, digest, "skipped", earlier)
             self.on_event("start", variant, image)
             try:
-                record = self._sign(variant, client)
+                if predicates is None:
+                    predicates = build_predicates(self.workdir, variant)
+                if isinstance(predicates, SignError):
+                    raise predicates
+                record = self._sign(variant, client, predicates)
             except KeyboardInterrupt:  # tools.Cancelled too: the rerun does this variant again
                 self._record(variant, self._base(variant, StageStatus.INTERRUPTED, reason="interrupted"))
                 raise
@@ -438,10 +457,9 @@ class SignRun:
         wanted = {kind.predicate_type for kind in attest.KINDS}
         return wanted <= attestation_types(client, image, digest)
 
-    def _sign(self, variant: VariantRecord, client: Registry) -> SignStage:
+    def _sign(self, variant: VariantRecord, client: Registry, predicates: dict[str, dict[str, Any]]) -> SignStage:
         image, digest = variant.image or "", variant.digest or ""
         folder = self.workdir / "sign" / variant.id
-        predicates = build_predicates(self.workdir, variant)
         paths = {}
         for name, predicate in predicates.items():
             path = folder / PREDICATE_FILES[name]

@@ -114,14 +114,13 @@ def signing_options(key: str | None, keyless: bool, oidc_issuer: str | None, oid
 
 def print_outcomes(outcomes: list[signing.SignOutcome]) -> None:
     table = Table(show_edge=False, pad_edge=False, box=None)
-    for column in ("variant", "result", "digest", "signature / reason"):
+    for column in ("variant", "result", "digest", "attestations", "signature / reason"):
         table.add_column(column, overflow="fold")
     for o in outcomes:
-        detail = (o.record.signature or "") if o.action in ("signed", "skipped") else (o.record.reason or "")
-        if o.action in ("signed", "skipped"):
-            detail += f" (+{len(o.record.attestations)} attestations)"
-        word = {"skipped": "already signed"}.get(o.action, o.action)
-        table.add_row(o.variant, word, (o.digest or "")[:19], detail)
+        signed = o.action in ("signed", "skipped")
+        table.add_row(o.variant, {"skipped": "already signed"}.get(o.action, o.action), (o.digest or "")[:19],
+                      str(len(o.record.attestations)) if signed else "-",
+                      (o.record.signature if signed else o.record.reason) or "")
     stdout.print(table)
     counts = {a: sum(o.action == a for o in outcomes) for a in ("signed", "skipped", "refused", "failed")}
     stdout.print(f"{counts['signed']} signed, {counts['skipped']} already signed, {counts['refused']} refused, "

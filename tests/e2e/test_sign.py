@@ -311,3 +311,16 @@ def test_a_missing_cosign_exits_3(signed_example, cosign_keys, tmp_path):
                      env={"COSIGN_PASSWORD": cosign_keys["password"], "IMAGEBUILD_COSIGN": str(tmp_path / "nope")})
     assert run.returncode == 3, run.stderr
     assert run.stderr.startswith("error: ") and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_an_unreachable_registry_exits_3_and_records_nothing(signed_example, cosign_keys, tmp_path):
+    report_path = signed_example.copy(tmp_path / "work")
+    report = json.loads(report_path.read_text())
+    for variant in report["variants"]:
+        variant["image"] = variant["image"].replace(STAGING, "127.0.0.1:5999")  # nothing listens there
+    report_path.write_text(json.dumps(report, indent=2))
+    before = report_path.read_text()
+    run = sign_workdir(report_path.parent, cosign_keys["key"], cosign_keys["password"])
+    assert run.returncode == 3, run.stderr
+    assert "127.0.0.1:5999" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert report_path.read_text() == before
