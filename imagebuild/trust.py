@@ -4,7 +4,7 @@ The verify branch deletes this file before merging main; nothing else should dep
 """
 from __future__ import annotations
 
-import fnmatch
+import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -60,8 +60,8 @@ class TrustConfig:
 
     def covers(self, repository: str) -> bool:
         for glob in self.images:
-            pattern = glob.replace("**", "\0").replace("*", "[^/]*").replace("\0", "*")
-            if fnmatch.fnmatchcase(repository, pattern) or glob == "**":
+            pattern = re.escape(glob).replace(r"\*\*", "\0").replace(r"\*", "[^/]*").replace("\0", ".*")
+            if re.fullmatch(pattern, repository):
                 return True
         return False
 
