@@ -14,6 +14,7 @@ import click
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .scan_commands import gate_command, scan
+from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
@@ -48,7 +49,7 @@ def cli(debug: bool) -> None:
 
 
 
-for command in (validate, support, plan, render, build, test_command, scan, gate_command):
+for command in (validate, support, plan, render, build, test_command, scan, gate_command, sign_command):
     cli.add_command(command)
 cli.add_command(verify_command)
 
