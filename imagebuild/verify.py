@@ -35,7 +35,8 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from .registry import ImageRef, Registry, RegistryError, RegistryUnreachable
+from .attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
 from .source import InputError
 from .trust import PublicKey, Requirements, TrustConfig
 
@@ -45,14 +46,8 @@ DSSE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
 IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/Statement/v1")
 
-# The predicate types `imagebuild sign` attests (the same URIs as imagebuild/attest.py), by the
-# names the trust config's require.attestations uses.
-ATTESTATION_TYPES = {
-    "sbom": "https://cyclonedx.org/bom",
-    "vuln": "https://cosign.sigstore.dev/attestation/vuln/v1",
-    "smoke": "https://imagebuild.dev/attestations/smoke/v1",
-    "gate": "https://imagebuild.dev/attestations/gate/v1",
-}
+# The predicate types `imagebuild sign` attests, by the names the trust config's require.attestations uses.
+ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 
 # What a registry may make us read: everything it serves is untrusted. SBOMs of the CUDA images
@@ -416,13 +411,15 @@ class Verifier:
         except ValueError as exc:
             return ImageVerdict(image, None, False, f"not an image reference: {exc}")
         repository = f"{ref.registry}/{ref.repository}"
-        if not self.config.covers(repository):
+        # Docker Hub goes by docker.io in policies and Pod specs; ImageRef names its API host.
+        names = [repository, f"docker.io/{ref.repository}"] if ref.registry == DOCKER_HUB else [repository]
+        if not any(self.config.covers(name) for name in names):
             return ImageVerdict(image, ref.digest, False,
                                 f"not covered by the policy: {repository} matches none of its images "
                                 f"({', '.join(self.config.images)})")
         registry = self._registry(ref.registry)
         try:
-            digest = ref.digest or registry.head_manifest(ref.repository, ref.reference)
+            digest = ref.digest or self._resolve(registry, ref)
         except RegistryUnreachable as exc:
             return ImageVerdict(image, None, False, f"registry unreachable: {exc}", unreachable=True)
         except RegistryError as exc:
@@ -431,6 +428,15 @@ class Verifier:
             reason = f"tag {ref.reference} not found" if not digest else f"registry gave digest '{digest[:80]}'"
             return ImageVerdict(image, None, False, f"{reason} in {repository}")
         return replace(self._verdict_for(registry, ref.repository, digest), image=image)
+
+    @staticmethod
+    def _resolve(registry: Registry, ref: ImageRef) -> str | None:
+        """The tag's manifest digest: HEAD's Docker-Content-Digest, else the sha256 of the manifest GET returns."""
+        digest = registry.head_manifest(ref.repository, ref.reference)
+        if digest:
+            return digest
+        found = registry.find_manifest(ref.repository, ref.reference)
+        return None if found is None else "sha256:" + hashlib.sha256(found[0]).hexdigest()
 
     def _registry(self, host: str) -> Registry:
         with self._lock:
