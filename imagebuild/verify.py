@@ -205,7 +205,7 @@ def check_simple_signing(payload: bytes, digest: str) -> None:
         critical = document["critical"]
         signed_digest = critical["image"]["docker-manifest-digest"]
         kind = critical["type"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise Refused("signature payload is not a cosign simplesigning document") from None
     if kind != SIMPLESIGNING_TYPE:
         raise Refused(f"signature payload has type '{kind}', not '{SIMPLESIGNING_TYPE}'")
@@ -230,7 +230,7 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         signatures = [decode_base64(entry["sig"]) for entry in envelope["signatures"]]
         if not isinstance(payload_type, str):
             raise TypeError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise Refused("an attestation layer is not a DSSE envelope") from None
     message = pae(payload_type, payload)
     key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
@@ -246,7 +246,7 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         predicate = statement.get("predicate")
         if not isinstance(predicate_type, str) or not all(isinstance(s, dict) for s in subjects):
             raise TypeError
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise Refused("an attestation's payload is not an in-toto statement") from None
     if statement_type not in IN_TOTO_STATEMENTS:
         raise Refused(f"an attestation's statement type '{statement_type}' is not in-toto's")
@@ -509,7 +509,7 @@ class Verifier:
             layers = json.loads(raw).get("layers") or []
             if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
                 raise TypeError
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, RecursionError):  # JSON nested past the parser: hostile
             raise Refused(f"{tag} is not an image manifest") from None
         if len(layers) > MAX_LAYERS:
             raise Refused(f"{tag} has {len(layers)} layers, over {MAX_LAYERS}")
