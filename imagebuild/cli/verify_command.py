@@ -42,8 +42,8 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
 
     \b
     Examples:
-      imagebuild verify 127.0.0.1:5000/imagebuild-example/paddle:3.3.1-cpu
-      imagebuild verify --config examples/local/trust.yaml IMAGE@sha256:...
+      imagebuild verify --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
+      imagebuild verify IMAGE@sha256:...                       # with policies/trust.yaml
       imagebuild verify --key cosign.pub --key cosign-next.pub IMAGE   # during a key rotation
       imagebuild verify --no-attestations --format json IMAGE...
     """
