@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from imagebuild import policies
 from imagebuild.trust import load_trust_config
+from tests.conftest import run_imagebuild
 from tests.crd_schema import crd_schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,9 +65,8 @@ def webhook_documents(files: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in yaml.safe_load_all(files[policies.WEBHOOK_MANIFESTS])}
 
 
-def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "imagebuild", *args], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_imagebuild(*args, cwd=ROOT)
 
 
 # --- CRD schemas ----------------------------------------------------------------------------

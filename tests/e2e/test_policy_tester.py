@@ -254,6 +254,13 @@ def test_warn_mode_admits_the_unsigned_image_with_a_warning(policy_tester: str, 
     assert decision.admitted and "no signatures found" in decision.output
 
 
+def test_the_committed_production_policy_compiles_in_policy_controller(policy_tester: str,
+                                                                        images: dict[str, str]) -> None:
+    decision = evaluate(policy_tester, REPO / "policies" / "admission" / policies.CLUSTER_IMAGE_POLICY,
+                        images["signed"])
+    assert not decision.admitted and "uncovered by policy" in decision.output
+
+
 # --- attestations ------------------------------------------------------------------------------
 
 REQUIRE_ALL = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gate_passed: true}"
