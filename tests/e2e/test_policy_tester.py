@@ -121,7 +121,7 @@ def digest_of(image: str) -> str:
 
 
 def attest_all(key: SigningKey, image: str, tmp_path: Path, *, smoke_status: str = "passed",
-               smoke_digest: str | None = None, skip: tuple[str, ...] = ()) -> None:
+               smoke_digest: str | None = None, gate_decision: str = "passed", skip: tuple[str, ...] = ()) -> None:
     """The four attestations `imagebuild sign` attaches, in their predicate shapes."""
     digest = digest_of(image)
     predicates = {
@@ -132,7 +132,7 @@ def attest_all(key: SigningKey, image: str, tmp_path: Path, *, smoke_status: str
                  "metadata": {"scanStartedOn": "2026-12-01T00:00:00Z", "scanFinishedOn": "2026-12-01T00:00:05Z"}},
         "smoke": {"digest": smoke_digest or digest, "variant": "tiny", "status": smoke_status,
                   "counts": {"passed": 3, "failed": 0 if smoke_status == "passed" else 1, "skipped": 0}},
-        "gate": {"digest": digest, "variant": "tiny", "decision": "passed", "policy": {"severity": "HIGH"},
+        "gate": {"digest": digest, "variant": "tiny", "decision": gate_decision, "policy": {"severity": "HIGH"},
                  "exceptions_applied": []},
     }
     for kind, predicate in predicates.items():
@@ -269,16 +269,18 @@ REQUIRE_ALL = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gat
 @pytest.fixture(scope="module")
 def attested(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """complete: signed with all four attestations; smoke_failed; smoke_elsewhere (the smoke
-    result names another digest); no_gate; not_signed (attested, but the image itself unsigned)."""
+    result names another digest); gate_blocked; no_gate; not_signed (attested, but the image
+    itself unsigned)."""
     tmp = tmp_path_factory.mktemp("attested")
     made = {name: push_tiny_image(tmp, f"{namespace}/attested/{name.replace('_', '-')}:t")
-            for name in ("complete", "smoke_failed", "smoke_elsewhere", "no_gate", "not_signed")}
+            for name in ("complete", "smoke_failed", "smoke_elsewhere", "gate_blocked", "no_gate", "not_signed")}
     for name, image in made.items():
         if name != "not_signed":
             sign(bootstrap_key, image)
     attest_all(bootstrap_key, made["complete"], tmp)
     attest_all(bootstrap_key, made["smoke_failed"], tmp, smoke_status="failed")
     attest_all(bootstrap_key, made["smoke_elsewhere"], tmp, smoke_digest=digest_of(made["complete"]))
+    attest_all(bootstrap_key, made["gate_blocked"], tmp, gate_decision="blocked")
     attest_all(bootstrap_key, made["no_gate"], tmp, skip=("gate",))
     attest_all(bootstrap_key, made["not_signed"], tmp)
     return made
@@ -291,8 +293,13 @@ def attestation_policy(namespace: str, bootstrap_key: SigningKey, tmp_path_facto
     return generate(config, folder / "admission")
 
 
-EXPECTED_ATTESTED = {"complete": True, "smoke_failed": False, "smoke_elsewhere": False, "no_gate": False,
-                     "not_signed": False}
+EXPECTED_ATTESTED = {"complete": True, "smoke_failed": False, "smoke_elsewhere": False, "gate_blocked": False,
+                     "no_gate": False, "not_signed": False}
+# What policy-controller says when it refuses each one.
+REFUSAL = {"smoke_failed": "rego policy for type smoke", "smoke_elsewhere": "rego policy for type smoke",
+           "gate_blocked": "rego policy for type gate",
+           "no_gate": f"no matching attestations with type {policies.PREDICATE_TYPES['gate']}",
+           "not_signed": "authority sig-key-0"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ATTESTED))
@@ -300,6 +307,8 @@ def test_tester_applies_the_attestation_requirements(policy_tester: str, attesta
                                                      attested: dict[str, str], name: str) -> None:
     decision = evaluate(policy_tester, attestation_policy, attested[name])
     assert decision.admitted is EXPECTED_ATTESTED[name], decision.output
+    if not decision.admitted:
+        assert REFUSAL[name] in decision.output
 
 
 # --- imagebuild verify gives the same answers ---------------------------------------------------
