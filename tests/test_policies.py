@@ -364,3 +364,12 @@ def test_bad_config_is_one_line_exit_2_and_nothing_written(tmp_path: Path, conte
 def test_missing_config_is_exit_2(tmp_path: Path) -> None:
     result = run_cli("policies", "generate", "--config", str(tmp_path / "absent.yaml"), "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_ca_bundle_that_is_not_pem_is_exit_2(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("not a certificate\n")
+    result = run_cli("policies", "generate", "--config", str(write_config(tmp_path / "cfg")),
+                     "--out", str(tmp_path / "out"), "--ca-bundle", str(bundle))
+    assert result.returncode == 2 and "is not a PEM certificate bundle" in result.stderr
+    assert not (tmp_path / "out").exists()
