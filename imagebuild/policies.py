@@ -105,16 +105,19 @@ def _webhook_notes(config: TrustConfig, options: Options) -> tuple[str, ...]:
 def required_attestations(config: TrustConfig) -> tuple[str, ...]:
     """The attestations every admitted image must carry, in a fixed order.
 
-    smoke_passed and gate_passed need their attestation even when `attestations` omits it, and
-    block_severity needs the gate's: policy-controller and the ClusterPolicy judge one
-    attestation at a time, so they cannot weigh the vuln report against the gate's exceptions
-    and rely on the gate's decision, which did (the ImageValidatingPolicy checks both).
+    smoke_passed and gate_passed need their attestation even when `attestations` omits it.
+    block_severity needs the vuln report (as `imagebuild verify` does) and here the gate's too:
+    policy-controller and the ClusterPolicy judge one attestation at a time, so they cannot weigh
+    the vuln report against the gate's exceptions and rely on the gate's decision, which did.
+    The ImageValidatingPolicy weighs both itself.
     """
     wanted = set(config.require.attestations)
     if config.require.smoke_passed:
         wanted.add("smoke")
-    if config.require.gate_passed or config.require.block_severity is not None:
+    if config.require.gate_passed:
         wanted.add("gate")
+    if config.require.block_severity is not None:
+        wanted.update(("vuln", "gate"))
     return tuple(a for a in ATTESTATION_ORDER if a in wanted)
 
 
@@ -335,13 +338,14 @@ def kyverno_image_validating_policy(config: TrustConfig) -> dict[str, Any]:
             "expression": "variables.refs.all(image, extractPayload(image, attestations.gate).decision == 'passed')",
             "message": "the vulnerability gate did not pass an image",
         })
-    if config.require.block_severity is not None and "vuln" in wanted:
+    if config.require.block_severity is not None:
         severities = ", ".join(f"'{s}'" for s in _severities_from(config.require.block_severity))
         validations.append({
             # Every finding at or above the threshold must be one the gate excepted (same id and package).
             "expression": (
                 "variables.refs.all(image, "
-                "extractPayload(image, attestations.vuln).scanner.result.Results.all(r, "
+                "(has(extractPayload(image, attestations.vuln).scanner.result.Results) ? "
+                "extractPayload(image, attestations.vuln).scanner.result.Results : []).all(r, "
                 "!has(r.Vulnerabilities) || r.Vulnerabilities.all(v, "
                 f"!(v.Severity in [{severities}]) || "
                 "extractPayload(image, attestations.gate).exceptions_applied.exists(e, "

@@ -213,6 +213,16 @@ def test_gate_passed_alone_still_requires_the_gate_attestation(tmp_path: Path) -
     assert [a["name"] for a in cip["authorities"][1]["attestations"]] == ["gate"]
 
 
+def test_block_severity_alone_requires_the_vuln_report_and_a_passed_gate(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{block_severity: CRITICAL}"))
+    cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    attestations = cip["authorities"][1]["attestations"]
+    assert [a["name"] for a in attestations] == ["vuln", "gate"]
+    assert 'input.predicate.decision == "passed"' in attestations[1]["policy"]["data"]
+    ivp = document(files, policies.KYVERNO_IMAGE_VALIDATING_POLICY)["spec"]
+    assert "['CRITICAL']" in ivp["validations"][-1]["expression"]
+
+
 # --- the webhook's manifests -----------------------------------------------------------------
 
 
