@@ -515,4 +515,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, int):
         return f"a number ({value})"
     text = str(value)
+    # An error line is shown and logged: never quote what may be key material (a private key or
+    # a certificate handed over instead of a YAML file), only say what it is.
+    if "-----BEGIN" in text or "PRIVATE KEY" in text:
+        return "PEM data (not shown)"
     return f"'{text[:60]}…'" if len(text) > 60 else f"'{text}'"

@@ -142,3 +142,13 @@ def test_ad_hoc_configuration_from_key_files(keys):
 def test_ad_hoc_configuration_refuses_a_missing_key_file(tmp_path):
     with pytest.raises(InputError, match="not found"):
         trust_config_for_keys([tmp_path / "nope.pub"])
+
+
+def test_a_private_key_given_as_the_trust_file_is_not_echoed(tmp_path):
+    private = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    path = tmp_path / "trust.yaml"
+    path.write_text(private)
+    message = error_of(path)
+    assert "expected a mapping" in message and "not shown" in message
+    assert private.splitlines()[1][:20] not in message
