@@ -35,7 +35,8 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from .registry import ImageRef, Registry, RegistryError, RegistryUnreachable
+from .attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
 from .source import InputError
 from .trust import PublicKey, Requirements, TrustConfig
 
@@ -45,14 +46,8 @@ DSSE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
 IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/Statement/v1")
 
-# The predicate types `imagebuild sign` attests (the same URIs as imagebuild/attest.py), by the
-# names the trust config's require.attestations uses.
-ATTESTATION_TYPES = {
-    "sbom": "https://cyclonedx.org/bom",
-    "vuln": "https://cosign.sigstore.dev/attestation/vuln/v1",
-    "smoke": "https://imagebuild.dev/attestations/smoke/v1",
-    "gate": "https://imagebuild.dev/attestations/gate/v1",
-}
+# The predicate types `imagebuild sign` attests, by the names the trust config's require.attestations uses.
+ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 
 # What a registry may make us read: everything it serves is untrusted. SBOMs of the CUDA images
@@ -210,7 +205,7 @@ def check_simple_signing(payload: bytes, digest: str) -> None:
         critical = document["critical"]
         signed_digest = critical["image"]["docker-manifest-digest"]
         kind = critical["type"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise Refused("signature payload is not a cosign simplesigning document") from None
     if kind != SIMPLESIGNING_TYPE:
         raise Refused(f"signature payload has type '{kind}', not '{SIMPLESIGNING_TYPE}'")
@@ -235,7 +230,7 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         signatures = [decode_base64(entry["sig"]) for entry in envelope["signatures"]]
         if not isinstance(payload_type, str):
             raise TypeError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise Refused("an attestation layer is not a DSSE envelope") from None
     message = pae(payload_type, payload)
     key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
@@ -251,7 +246,7 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         predicate = statement.get("predicate")
         if not isinstance(predicate_type, str) or not all(isinstance(s, dict) for s in subjects):
             raise TypeError
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise Refused("an attestation's payload is not an in-toto statement") from None
     if statement_type not in IN_TOTO_STATEMENTS:
         raise Refused(f"an attestation's statement type '{statement_type}' is not in-toto's")
@@ -416,13 +411,15 @@ class Verifier:
         except ValueError as exc:
             return ImageVerdict(image, None, False, f"not an image reference: {exc}")
         repository = f"{ref.registry}/{ref.repository}"
-        if not self.config.covers(repository):
+        # Docker Hub goes by docker.io in policies and Pod specs; ImageRef names its API host.
+        names = [repository, f"docker.io/{ref.repository}"] if ref.registry == DOCKER_HUB else [repository]
+        if not any(self.config.covers(name) for name in names):
             return ImageVerdict(image, ref.digest, False,
                                 f"not covered by the policy: {repository} matches none of its images "
                                 f"({', '.join(self.config.images)})")
         registry = self._registry(ref.registry)
         try:
-            digest = ref.digest or registry.head_manifest(ref.repository, ref.reference)
+            digest = ref.digest or self._resolve(registry, ref)
         except RegistryUnreachable as exc:
             return ImageVerdict(image, None, False, f"registry unreachable: {exc}", unreachable=True)
         except RegistryError as exc:
@@ -431,6 +428,15 @@ class Verifier:
             reason = f"tag {ref.reference} not found" if not digest else f"registry gave digest '{digest[:80]}'"
             return ImageVerdict(image, None, False, f"{reason} in {repository}")
         return replace(self._verdict_for(registry, ref.repository, digest), image=image)
+
+    @staticmethod
+    def _resolve(registry: Registry, ref: ImageRef) -> str | None:
+        """The tag's manifest digest: HEAD's Docker-Content-Digest, else the sha256 of the manifest GET returns."""
+        digest = registry.head_manifest(ref.repository, ref.reference)
+        if digest:
+            return digest
+        found = registry.find_manifest(ref.repository, ref.reference)
+        return None if found is None else "sha256:" + hashlib.sha256(found[0]).hexdigest()
 
     def _registry(self, host: str) -> Registry:
         with self._lock:
@@ -503,7 +509,7 @@ class Verifier:
             layers = json.loads(raw).get("layers") or []
             if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
                 raise TypeError
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, RecursionError):  # JSON nested past the parser: hostile
             raise Refused(f"{tag} is not an image manifest") from None
         if len(layers) > MAX_LAYERS:
             raise Refused(f"{tag} has {len(layers)} layers, over {MAX_LAYERS}")

@@ -338,3 +338,11 @@ def test_tag_and_digest_references_parse(text):
 def test_malformed_references_are_refused_with_a_reason(text):
     with pytest.raises(ValueError):
         parse_image(text)
+
+
+def test_json_nested_past_the_parser_is_a_refusal_not_a_crash(p256):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(Refused):
+        open_envelope(deep, [key("ours", p256)], DIGEST)
+    with pytest.raises(Refused):
+        check_simple_signing(deep, DIGEST)

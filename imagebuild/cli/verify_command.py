@@ -58,9 +58,6 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
         except ValueError as exc:
             raise InputError(image, None, "", f"not an image reference: {exc}") from None
     if keys:
-        for key in keys:
-            if not key.is_file():
-                raise InputError(str(key), None, "", "no such key file")
         config = trust.trust_config_for_keys(list(keys))
     else:
         path = config_path or DEFAULT_CONFIG

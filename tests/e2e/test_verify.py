@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import STAGING, imagebuild
+from .conftest import REPO, STAGING, imagebuild
 
 KEYS = Path("/var/lib/imagebuild/keys")
 OUTSIDE = "127.0.0.1:5001"  # another local registry, outside the test policies' images
@@ -109,7 +109,7 @@ class Cosign:
 
 
 @pytest.fixture(scope="module")
-def cosign() -> Cosign:
+def cosign_cli() -> Cosign:
     return Cosign()
 
 
@@ -121,8 +121,8 @@ def our_key() -> KeyPair:
 
 
 @pytest.fixture
-def other_key(cosign, tmp_path_factory) -> KeyPair:
-    return cosign.generate_key_pair(tmp_path_factory.mktemp("other-key"))
+def other_key(cosign_cli, tmp_path_factory) -> KeyPair:
+    return cosign_cli.generate_key_pair(tmp_path_factory.mktemp("other-key"))
 
 
 @pytest.fixture
@@ -193,38 +193,38 @@ def delete_manifest(image: Image, tag: str) -> None:
 # --- signatures ---------------------------------------------------------------------------------
 
 
-def test_a_signed_image_verifies_by_tag_and_by_digest_and_cosign_agrees(push, cosign, our_key):
+def test_a_signed_image_verifies_by_tag_and_by_digest_and_cosign_agrees(push, cosign_cli, our_key):
     image = push()
-    cosign.sign(image, our_key)
+    cosign_cli.sign(image, our_key)
     run = verify("--key", str(our_key.public), image.by_tag, image.by_digest, "--format", "json")
     assert run.returncode == 0, run.stderr
     verdicts = run.json()["images"]
     assert [(v["image"], v["digest"], v["allowed"]) for v in verdicts] == [
         (image.by_tag, image.digest, True), (image.by_digest, image.digest, True)]
-    assert cosign.admits(image.by_tag, our_key.public) and cosign.admits(image.by_digest, our_key.public)
+    assert cosign_cli.admits(image.by_tag, our_key.public) and cosign_cli.admits(image.by_digest, our_key.public)
 
 
-def test_an_unsigned_image_is_refused_and_cosign_agrees(push, cosign, our_key):
+def test_an_unsigned_image_is_refused_and_cosign_agrees(push, cosign_cli, our_key):
     image = push()
     run = verify("--key", str(our_key.public), image.by_tag)
     assert run.returncode == 1
     assert f"not signed: no signature {image.repository}:{image.signature_tag()}" in refused_line(run, image.by_tag)
-    assert not cosign.admits(image.by_tag, our_key.public)
+    assert not cosign_cli.admits(image.by_tag, our_key.public)
 
 
-def test_an_image_signed_with_another_key_is_refused_and_cosign_agrees(push, cosign, our_key, other_key):
+def test_an_image_signed_with_another_key_is_refused_and_cosign_agrees(push, cosign_cli, our_key, other_key):
     image = push()
-    cosign.sign(image, other_key)
+    cosign_cli.sign(image, other_key)
     run = verify("--key", str(our_key.public), image.by_tag)
     assert run.returncode == 1
     assert "the signature does not verify with any configured key" in refused_line(run, image.by_tag)
-    assert not cosign.admits(image.by_tag, our_key.public)
-    assert cosign.admits(image.by_tag, other_key.public)  # it is a good signature, by a key we do not trust
+    assert not cosign_cli.admits(image.by_tag, our_key.public)
+    assert cosign_cli.admits(image.by_tag, other_key.public)  # it is a good signature, by a key we do not trust
 
 
-def test_a_tag_moved_to_an_unsigned_digest_after_signing_is_refused_and_cosign_agrees(push, cosign, our_key):
+def test_a_tag_moved_to_an_unsigned_digest_after_signing_is_refused_and_cosign_agrees(push, cosign_cli, our_key):
     signed = push()
-    cosign.sign(signed, our_key)
+    cosign_cli.sign(signed, our_key)
     assert verify("--key", str(our_key.public), signed.by_tag).returncode == 0
     moved = push(tag=signed.tag)  # same tag, new content: the tag now names an unsigned digest
     assert moved.digest != signed.digest
@@ -233,25 +233,25 @@ def test_a_tag_moved_to_an_unsigned_digest_after_signing_is_refused_and_cosign_a
     [verdict] = run.json()["images"]
     assert verdict["digest"] == moved.digest and not verdict["allowed"]
     assert verdict["reason"].startswith("not signed: no signature")
-    assert not cosign.admits(moved.by_tag, our_key.public)
+    assert not cosign_cli.admits(moved.by_tag, our_key.public)
     # The signed digest itself still verifies: it is the tag that moved.
     assert verify("--key", str(our_key.public), signed.by_digest).returncode == 0
 
 
-def test_a_deleted_signature_is_refused_and_cosign_agrees(push, cosign, our_key):
+def test_a_deleted_signature_is_refused_and_cosign_agrees(push, cosign_cli, our_key):
     image = push()
-    cosign.sign(image, our_key)
+    cosign_cli.sign(image, our_key)
     assert verify("--key", str(our_key.public), image.by_digest).returncode == 0
     delete_manifest(image, image.signature_tag())
     run = verify("--key", str(our_key.public), image.by_digest)
     assert run.returncode == 1
     assert "not signed: no signature" in refused_line(run, image.by_digest)
-    assert not cosign.admits(image.by_digest, our_key.public)
+    assert not cosign_cli.admits(image.by_digest, our_key.public)
 
 
-def test_a_signature_copied_from_another_image_is_refused_and_cosign_agrees(push, cosign, our_key):
+def test_a_signature_copied_from_another_image_is_refused_and_cosign_agrees(push, cosign_cli, our_key):
     signed = push(tag="a")
-    cosign.sign(signed, our_key)
+    cosign_cli.sign(signed, our_key)
     unsigned = push(tag="b")
     copy = subprocess.run([tool("crane"), "copy", "--insecure", f"{signed.repository}:{signed.signature_tag()}",
                            f"{unsigned.repository}:{unsigned.signature_tag()}"], capture_output=True, text=True,
@@ -261,32 +261,32 @@ def test_a_signature_copied_from_another_image_is_refused_and_cosign_agrees(push
     assert run.returncode == 1
     line = refused_line(run, unsigned.by_tag)
     assert f"the signature is for {signed.digest}, not this image's digest {unsigned.digest}" in line
-    assert not cosign.admits(unsigned.by_tag, our_key.public)
+    assert not cosign_cli.admits(unsigned.by_tag, our_key.public)
 
 
 def test_an_image_in_a_registry_outside_the_policy_is_refused_though_its_signature_is_good(
-        push, cosign, our_key, tmp_path):
+        push, cosign_cli, our_key, tmp_path):
     try:
         httpx.get(f"http://{OUTSIDE}/v2/", timeout=5).raise_for_status()
     except httpx.HTTPError as exc:
         pytest.fail(f"the registry {OUTSIDE} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
     image = push(repository=f"{OUTSIDE}/verify-e2e/{uuid.uuid4().hex[:10]}")
-    cosign.sign(image, our_key)
+    cosign_cli.sign(image, our_key)
     config = trust_config(tmp_path, [our_key.public], [f"{STAGING}/verify-e2e/**"])
     run = verify("--config", str(config), image.by_tag)
     assert run.returncode == 1
     assert f"not covered by the policy: {image.repository} matches none of its images" in refused_line(run, image.by_tag)
     # The signature itself is good: cosign (which has no notion of covered registries) admits it, and
     # so does imagebuild with an ad-hoc --key config that covers every registry.
-    assert cosign.admits(image.by_tag, our_key.public)
+    assert cosign_cli.admits(image.by_tag, our_key.public)
     assert verify("--key", str(our_key.public), image.by_tag).returncode == 0
 
 
 def test_during_a_key_rotation_an_image_signed_with_either_key_verifies_naming_the_key(
-        push, cosign, our_key, other_key, tmp_path):
+        push, cosign_cli, our_key, other_key, tmp_path):
     old, new, neither = push(tag="old"), push(tag="new"), push(tag="neither")
-    cosign.sign(old, our_key)
-    cosign.sign(new, other_key)
+    cosign_cli.sign(old, our_key)
+    cosign_cli.sign(new, other_key)
     config = trust_config(tmp_path, [our_key.public, other_key.public], covering(old))
     run = verify("--config", str(config), old.by_tag, new.by_tag, "--format", "json")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -294,8 +294,8 @@ def test_during_a_key_rotation_an_image_signed_with_either_key_verifies_naming_t
     run = verify("--key", str(our_key.public), "--key", str(other_key.public), old.by_tag, new.by_tag, neither.by_tag)
     assert run.returncode == 1
     assert "not signed" in refused_line(run, neither.by_tag)
-    assert cosign.admits(old.by_tag, our_key.public) and cosign.admits(new.by_tag, other_key.public)
-    assert not cosign.admits(neither.by_tag, our_key.public) and not cosign.admits(neither.by_tag, other_key.public)
+    assert cosign_cli.admits(old.by_tag, our_key.public) and cosign_cli.admits(new.by_tag, other_key.public)
+    assert not cosign_cli.admits(neither.by_tag, our_key.public) and not cosign_cli.admits(neither.by_tag, other_key.public)
 
 
 def test_an_unreachable_registry_exits_3_saying_so(our_key):
@@ -327,7 +327,7 @@ def vuln_predicate(*findings: tuple[str, str, str]) -> dict:
             "metadata": {"scanStartedOn": "2026-12-01T05:00:00Z", "scanFinishedOn": "2026-12-01T05:01:00Z"}}
 
 
-def attest_all(cosign: Cosign, image: Image, key: KeyPair, tmp_path: Path, **overrides: dict) -> None:
+def attest_all(cosign_cli: Cosign, image: Image, key: KeyPair, tmp_path: Path, **overrides: dict) -> None:
     predicates = {
         "sbom": {"bomFormat": "CycloneDX", "specVersion": "1.5", "version": 1, "components": []},
         "vuln": vuln_predicate(("CVE-2026-0002", "zlib1g", "HIGH")),
@@ -339,7 +339,7 @@ def attest_all(cosign: Cosign, image: Image, key: KeyPair, tmp_path: Path, **ove
     predicates.update(overrides)
     for kind, predicate in predicates.items():
         if predicate is not None:
-            cosign.attest(image, key, kind, predicate, tmp_path)
+            cosign_cli.attest(image, key, kind, predicate, tmp_path)
 
 
 def rego(tmp_path: Path, name: str, rule: str) -> Path:
@@ -349,65 +349,65 @@ def rego(tmp_path: Path, name: str, rule: str) -> Path:
     return path
 
 
-def test_an_image_with_all_four_attestations_passing_is_allowed_and_cosign_agrees(push, cosign, our_key, tmp_path):
+def test_an_image_with_all_four_attestations_passing_is_allowed_and_cosign_agrees(push, cosign_cli, our_key, tmp_path):
     image = push()
-    cosign.sign(image, our_key)
-    attest_all(cosign, image, our_key, tmp_path)
+    cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, image, our_key, tmp_path)
     config = trust_config(tmp_path, [our_key.public], covering(image), **STRICT)
     run = verify("--config", str(config), image.by_tag)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == (f"{image.by_tag}: verified: {image.digest}: signed by imagebuild-local; "
                                   "4 attestations (sbom, vuln, smoke, gate)")
     for kind in TYPES:
-        assert cosign.admits_attestation(image.by_digest, our_key.public, kind), kind
+        assert cosign_cli.admits_attestation(image.by_digest, our_key.public, kind), kind
 
 
-def test_missing_attestations_are_refused_naming_them_and_cosign_agrees(push, cosign, our_key, tmp_path):
+def test_missing_attestations_are_refused_naming_them_and_cosign_agrees(push, cosign_cli, our_key, tmp_path):
     image = push()
-    cosign.sign(image, our_key)
-    attest_all(cosign, image, our_key, tmp_path, smoke=None, gate=None)
+    cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, image, our_key, tmp_path, smoke=None, gate=None)
     config = trust_config(tmp_path, [our_key.public], covering(image), **STRICT)
     run = verify("--config", str(config), image.by_tag)
     assert run.returncode == 1
     assert refused_line(run, image.by_tag).endswith("refused: attestations missing: smoke, gate")
-    assert not cosign.admits_attestation(image.by_digest, our_key.public, "smoke")
+    assert not cosign_cli.admits_attestation(image.by_digest, our_key.public, "smoke")
     assert verify("--config", str(config), "--no-attestations", image.by_tag).returncode == 0
 
 
-def test_attestations_signed_with_another_key_do_not_count(push, cosign, our_key, other_key, tmp_path):
+def test_attestations_signed_with_another_key_do_not_count(push, cosign_cli, our_key, other_key, tmp_path):
     image = push()
-    cosign.sign(image, our_key)
-    attest_all(cosign, image, other_key, tmp_path)
+    cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, image, other_key, tmp_path)
     config = trust_config(tmp_path, [our_key.public], covering(image), **STRICT)
     run = verify("--config", str(config), image.by_tag)
     assert run.returncode == 1
     line = refused_line(run, image.by_tag)
     assert "attestations missing: sbom, vuln, smoke, gate" in line
     assert "an attestation is not signed by any configured key" in line
-    assert not cosign.admits_attestation(image.by_digest, our_key.public, "gate")
+    assert not cosign_cli.admits_attestation(image.by_digest, our_key.public, "gate")
 
 
-def test_smoke_results_for_another_digest_are_refused_and_cosign_agrees(push, cosign, our_key, tmp_path):
+def test_smoke_results_for_another_digest_are_refused_and_cosign_agrees(push, cosign_cli, our_key, tmp_path):
     image, other = push(tag="image"), push(tag="other")
-    cosign.sign(image, our_key)
-    attest_all(cosign, image, our_key, tmp_path,
+    cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, image, our_key, tmp_path,
                smoke={"digest": other.digest, "variant": "cpu", "status": "passed", "counts": {}})
     config = trust_config(tmp_path, [our_key.public], covering(image), **STRICT)
     run = verify("--config", str(config), image.by_tag)
     assert run.returncode == 1
     assert f"the smoke attestation's results are for {other.digest}, not {image.digest}" in refused_line(run, image.by_tag)
     policy = rego(tmp_path, "smoke", f'  input.predicate.status == "passed"\n  input.predicate.digest == "{image.digest}"')
-    assert not cosign.admits_attestation(image.by_digest, our_key.public, "smoke", policy)
+    assert not cosign_cli.admits_attestation(image.by_digest, our_key.public, "smoke", policy)
 
 
 def test_an_unexcepted_critical_in_the_vuln_attestation_is_refused_and_an_excepted_one_is_not(
-        push, cosign, our_key, tmp_path):
+        push, cosign_cli, our_key, tmp_path):
     blocked, excepted = push(tag="blocked"), push(tag="excepted")
     critical = vuln_predicate(("CVE-2026-0001", "openssl", "CRITICAL"), ("CVE-2026-0002", "zlib1g", "HIGH"))
     for image in (blocked, excepted):
-        cosign.sign(image, our_key)
-    attest_all(cosign, blocked, our_key, tmp_path, vuln=critical)
-    attest_all(cosign, excepted, our_key, tmp_path, vuln=critical, gate={
+        cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, blocked, our_key, tmp_path, vuln=critical)
+    attest_all(cosign_cli, excepted, our_key, tmp_path, vuln=critical, gate={
         "digest": excepted.digest, "variant": "cpu", "decision": "passed", "policy": {},
         "exceptions_applied": [{"id": "CVE-2026-0001", "package": "openssl", "owner": "security",
                                 "reason": "not reachable", "expires": "2099-01-01"}]})
@@ -419,18 +419,18 @@ def test_an_unexcepted_critical_in_the_vuln_attestation_is_refused_and_an_except
     assert f"{excepted.by_tag}: verified: " in run.stdout
     no_critical = rego(tmp_path, "vuln", '  count([v | v := input.predicate.scanner.result.Results[_].Vulnerabilities[_]; '
                                          'v.Severity == "CRITICAL"]) == 0')
-    assert not cosign.admits_attestation(blocked.by_digest, our_key.public, "vuln", no_critical)
+    assert not cosign_cli.admits_attestation(blocked.by_digest, our_key.public, "vuln", no_critical)
 
 
 # --- the Verifier in-process (what the webhook calls) --------------------------------------------
 
 
-def test_a_cached_verdict_never_outlives_a_moved_tag(push, cosign, our_key):
+def test_a_cached_verdict_never_outlives_a_moved_tag(push, cosign_cli, our_key):
     from imagebuild.trust import trust_config_for_keys
     from imagebuild.verify import Verifier
 
     signed = push()
-    cosign.sign(signed, our_key)
+    cosign_cli.sign(signed, our_key)
     with Verifier(trust_config_for_keys([our_key.public]), cache_ttl_seconds=3600) as verifier:
         assert verifier.verify(signed.by_tag).allowed
         push(tag=signed.tag)
@@ -439,12 +439,12 @@ def test_a_cached_verdict_never_outlives_a_moved_tag(push, cosign, our_key):
         assert verifier.verify(signed.by_digest).allowed
 
 
-def test_verdicts_are_cached_by_digest_for_the_ttl(push, cosign, our_key):
+def test_verdicts_are_cached_by_digest_for_the_ttl(push, cosign_cli, our_key):
     from imagebuild.trust import trust_config_for_keys
     from imagebuild.verify import Verifier
 
     image = push()
-    cosign.sign(image, our_key)
+    cosign_cli.sign(image, our_key)
     config = trust_config_for_keys([our_key.public])
     with Verifier(config, cache_ttl_seconds=3600) as cached, Verifier(config, cache_ttl_seconds=0) as uncached:
         assert cached.verify(image.by_digest).allowed and uncached.verify(image.by_digest).allowed
@@ -453,12 +453,12 @@ def test_verdicts_are_cached_by_digest_for_the_ttl(push, cosign, our_key):
         assert not uncached.verify(image.by_digest).allowed
 
 
-def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign, our_key):
+def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign_cli, our_key):
     from imagebuild.trust import trust_config_for_keys
     from imagebuild.verify import Verifier
 
     signed, unsigned = push(tag="signed"), push(tag="unsigned")
-    cosign.sign(signed, our_key)
+    cosign_cli.sign(signed, our_key)
     refs = [signed.by_tag, unsigned.by_tag, signed.by_digest, unsigned.by_digest] * 25
     results: dict[int, bool] = {}
     with Verifier(trust_config_for_keys([our_key.public]), cache_ttl_seconds=60) as verifier:
@@ -471,3 +471,23 @@ def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign, our_
         for thread in threads:
             thread.join()
     assert [results[i] for i in range(len(refs))] == [True, False, True, False] * 25
+
+
+# --- the example, signed by `imagebuild sign` -------------------------------------------------------
+
+
+def test_the_signed_example_verifies_with_all_four_attestations_under_the_example_trust_config_and_cosign_agrees(
+        signed_example, cosign_cli):
+    run = verify("--config", str(REPO / "examples" / "local" / "trust.yaml"), "--format", "json",
+                 *signed_example.images, *signed_example.tags)
+    assert run.returncode == 0, run.stdout + run.stderr
+    verdicts = run.json()["images"]
+    assert len(verdicts) == len(signed_example.images) + len(signed_example.tags) > 0
+    for verdict in verdicts:
+        assert verdict["allowed"] and verdict["key"] == "imagebuild-local", verdict
+        assert "; 4 attestations (" in verdict["reason"]
+        assert set(verdict["reason"].split(" attestations (")[1].rstrip(")").split(", ")) == set(TYPES)
+    for image in signed_example.images:
+        assert cosign_cli.admits(image, signed_example.public_key), image
+        for kind in TYPES:
+            assert cosign_cli.admits_attestation(image, signed_example.public_key, kind), (image, kind)
