@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from imagebuild import policies
+from imagebuild.attest import KINDS
 from imagebuild.trust import load_trust_config
 
 from .conftest import REPO, imagebuild
@@ -112,7 +113,7 @@ def sign(key: SigningKey, image: str) -> None:
 def attest(key: SigningKey, image: str, kind: str, predicate: dict, tmp_path: Path) -> None:
     file = tmp_path / f"{kind}-{uuid.uuid4().hex}.json"
     file.write_text(json.dumps(predicate))
-    cosign_type = {"sbom": "cyclonedx", "vuln": "vuln"}.get(kind, policies.PREDICATE_TYPES[kind])
+    cosign_type = {k.name: k.cosign_type for k in KINDS}[kind]
     cosign(key, "attest", "--type", cosign_type, "--predicate", str(file), image)
 
 
