@@ -13,6 +13,7 @@ import click
 
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
+from .policies_command import policies_group
 from .scan_commands import gate_command, scan
 from .sign_command import sign_command
 from .test_command import test_command
@@ -49,7 +50,8 @@ def cli(debug: bool) -> None:
 
 
 
-for command in (validate, support, plan, render, build, test_command, scan, gate_command, sign_command):
+for command in (validate, support, plan, render, build, test_command, scan, gate_command, sign_command,
+                policies_group):
     cli.add_command(command)
 cli.add_command(verify_command)
 
