@@ -11,6 +11,7 @@ import os
 
 import click
 
+from .admission_command import admission_group
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .scan_commands import gate_command, scan
@@ -49,6 +50,7 @@ def cli(debug: bool) -> None:
 
 for command in (validate, support, plan, render, build, test_command, scan, gate_command):
     cli.add_command(command)
+cli.add_command(admission_group)
 
 
 def main() -> None:
