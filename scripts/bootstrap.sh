@@ -465,11 +465,66 @@ start_go_tools() {
         find_go
         in_background "$name" go_tool "$name" "$module" "$version"
     done
+    if policy_tester_present; then
+        summary "policy-tester" "$POLICY_CONTROLLER_VERSION" "present"
+    else
+        find_go
+        in_background policy-tester build_policy_tester
+    fi
+}
+
+policy_tester_present() {
+    [ -x "$TOOLS_DIR/bin/policy-tester" ] \
+        && [ "$(cat "$STATE_DIR/policy-tester.stamp" 2>/dev/null)" = "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" ]
+}
+
+# policy-controller's cmd/tester. `go install module@version` refuses a module whose go.mod
+# has replace directives, so: fetch the module's source into the module cache, copy it (the
+# cache is read-only), build there. The binary is moved into place whole, then stamped.
+build_policy_tester() {
+    local want="$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" dir src started=$SECONDS
+    local log_file="$LOG_DIR/go-build-policy-tester.log"
+    log "policy-tester: go build $want/cmd/tester in the background (about 11 min on 2 cores)"
+    dir="$(cd / && "$GO" mod download -json "$want" 2>>"$log_file" | sed -n 's/^[[:space:]]*"Dir": *"\([^"]*\)".*/\1/p')"
+    [ -n "$dir" ] && [ -d "$dir" ] || { show_log_tail "$log_file"; die "go mod download $want failed"; }
+    src="$TOOLS_DIR/src/policy-controller-$POLICY_CONTROLLER_VERSION"
+    rm -rf "$src"; mkdir -p "$TOOLS_DIR/src"
+    cp -r "$dir" "$src"; chmod -R u+w "$src"
+    if ! (cd "$src" && GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="-s -w" \
+            -o "$TOOLS_DIR/bin/policy-tester.partial" ./cmd/tester) >>"$log_file" 2>&1; then
+        show_log_tail "$log_file"; die "building policy-controller's tester failed"
+    fi
+    mv -f "$TOOLS_DIR/bin/policy-tester.partial" "$TOOLS_DIR/bin/policy-tester"
+    printf '%s\n' "$want" >"$STATE_DIR/policy-tester.stamp"
+    rm -rf "$src"
+    log "policy-tester: built in $((SECONDS - started))s"
+    summary "policy-tester" "$POLICY_CONTROLLER_VERSION" "installed"
+}
+
+# The signing key of the main job and the tests: a cosign key pair with a random password,
+# outside the repository. Made once; the public key is written last and marks a complete set.
+ensure_signing_key() {
+    local dir="$STATE_DIR/keys"
+    if [ -s "$dir/cosign.key" ] && [ -s "$dir/cosign.password" ] && [ -s "$dir/cosign.pub" ]; then
+        summary "signing key" "$dir/cosign.pub" "present"
+        return
+    fi
+    install -d -m 0755 "$dir"
+    rm -f "$dir"/cosign.* "$dir"/new.*
+    (umask 077; head -c 32 /dev/urandom | base64 | tr -d '/+=\n' >"$dir/cosign.password")
+    if ! COSIGN_PASSWORD="$(cat "$dir/cosign.password")" "$TOOLS_DIR/bin/cosign" generate-key-pair \
+            --output-key-prefix "$dir/new" >"$LOG_DIR/cosign-generate-key-pair.log" 2>&1; then
+        show_log_tail "$LOG_DIR/cosign-generate-key-pair.log"; die "cosign generate-key-pair failed"
+    fi
+    chmod 600 "$dir/new.key"; chmod 644 "$dir/new.pub"
+    mv -f "$dir/new.key" "$dir/cosign.key"
+    mv -f "$dir/new.pub" "$dir/cosign.pub"
+    summary "signing key" "$dir/cosign.pub" "generated"
 }
 
 wait_go_tools() {
     local name
-    for name in cosign crane actionlint; do
+    for name in cosign crane actionlint policy-tester; do
         if [ -n "$(printf '%s\n' "${BACKGROUND[@]}" | grep "^$name:" || true)" ]; then
             log "waiting for the $name build"
         fi
@@ -596,6 +651,7 @@ main() {
     build_base_image
     wait_background trivy
     wait_go_tools
+    ensure_signing_key
     print_summary
 }
 
