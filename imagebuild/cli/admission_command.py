@@ -11,6 +11,7 @@ import click
 from .. import admission
 from ..admission_server import DecisionLog, ServerSettings, serve, tls_context
 from ..source import InputError
+from ..trust import FailurePolicy, Mode, TrustConfig, load_trust_config
 from .common import EXIT_FAILED, reports_input_errors
 
 config_option = click.option(
@@ -55,7 +56,6 @@ def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, p
       imagebuild admission serve --config examples/local/trust.yaml \\
           --tls-cert cert.pem --tls-key key.pem --host 127.0.0.1 --port 9443
     """
-    from ..trust import load_trust_config
     from ..verify import Verifier
 
     config = load_trust_config(config_path)
@@ -85,7 +85,6 @@ def review_command(config_path: Path, review_file: Path) -> None:
       kubectl create -f pod.yaml --dry-run=server   # what the cluster does with the same webhook
       cat review.json | imagebuild admission review --config trust.yaml - | jq .response
     """
-    from ..trust import load_trust_config
     from ..verify import Verifier
 
     config = load_trust_config(config_path)
@@ -100,10 +99,8 @@ def review_command(config_path: Path, review_file: Path) -> None:
         sys.exit(EXIT_FAILED)
 
 
-def _policy(config: object) -> admission.Policy:
-    mode = getattr(config, "mode")  # noqa: B009 -- TrustConfig; its enums are str-valued
-    failure_policy = getattr(config, "failure_policy")  # noqa: B009
-    return admission.Policy(enforce=mode == "enforce", fail_closed=failure_policy == "fail")
+def _policy(config: TrustConfig) -> admission.Policy:
+    return admission.Policy(enforce=config.mode is Mode.ENFORCE, fail_closed=config.failure_policy is FailurePolicy.FAIL)
 
 
 def _tls(cert: Path, key: Path) -> ssl.SSLContext:
