@@ -106,6 +106,11 @@ class WebhookServer(ThreadingHTTPServer):
         self.log = log
         self.ready = threading.Event()
         self._slots = threading.BoundedSemaphore(settings.max_connections)
+        # Open connections, and whether each is in the middle of a request: on SIGTERM the idle
+        # keep-alive ones are closed at once, the busy ones once they have answered.
+        self._connections: dict[ssl.SSLSocket, bool] = {}
+        self._connections_lock = threading.Lock()
+        self.stopping = False
         self.address_family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         super().__init__((settings.host, settings.port), WebhookHandler)
 
@@ -134,11 +139,35 @@ class WebhookServer(ThreadingHTTPServer):
         except (OSError, ssl.SSLError) as err:
             self.log.write("tls_error", client=client_address[0], error=str(err)[:200])
             return
+        with self._connections_lock:
+            self._connections[tls] = False
         try:
-            WebhookHandler(tls, client_address, self)
+            handler = WebhookHandler(tls, client_address, self)
+            if handler.unread_body:
+                _linger(tls)
         finally:
+            with self._connections_lock:
+                self._connections.pop(tls, None)
             try:
                 tls.close()
+            except OSError:
+                pass
+
+    def set_busy(self, tls: ssl.SSLSocket, busy: bool) -> bool:
+        """Mark a connection busy or idle; returns whether the server is stopping."""
+        with self._connections_lock:
+            if tls in self._connections:
+                self._connections[tls] = busy
+            return self.stopping
+
+    def close_idle_connections(self) -> None:
+        """Stop: from now on every connection closes after its answer; the idle ones close now."""
+        with self._connections_lock:
+            self.stopping = True
+            idle = [tls for tls, busy in self._connections.items() if not busy]
+        for tls in idle:
+            try:
+                tls.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -153,10 +182,21 @@ class WebhookHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the API server reuses its connections
     server_version = "imagebuild-admission"
     sys_version = ""
+    unread_body = False  # answered before its body was read: the connection closes after a linger
 
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.settings.read_timeout_s)
+
+    def parse_request(self) -> bool:
+        """The request line has arrived: this connection is busy until its answer is sent."""
+        self.server.set_busy(self.connection, True)
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()
+        if self.server.set_busy(self.connection, False):
+            self.close_connection = True
 
     def do_GET(self) -> None:
         if self.path == "/healthz":
@@ -170,7 +210,7 @@ class WebhookHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         if self.path.split("?", 1)[0] != "/validate":
-            self.close_connection = True  # its body is left unread
+            self.close_connection = self.unread_body = True
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
             return
         started = time.monotonic()
@@ -184,7 +224,7 @@ class WebhookHandler(BaseHTTPRequestHandler):
     def _body(self) -> bytes | None:
         """The body, read within the deadline and the size cap; None when it was refused (answered already)."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
+            self.close_connection = self.unread_body = True
             self._refuse(HTTPStatus.LENGTH_REQUIRED, "a Content-Length is required")
             return None
         try:
@@ -192,12 +232,12 @@ class WebhookHandler(BaseHTTPRequestHandler):
         except ValueError:
             length = -1
         if length < 0:
-            self.close_connection = True
+            self.close_connection = self.unread_body = True
             self._refuse(HTTPStatus.LENGTH_REQUIRED, "a Content-Length is required")
             return None
         limit = admission.LIMITS.max_body_bytes
         if length > limit:
-            self.close_connection = True  # the body is left unread: this connection cannot carry another request
+            self.close_connection = self.unread_body = True  # this connection cannot carry another request
             self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length} bytes, more than {limit}")
             return None
         deadline = time.monotonic() + self.server.settings.body_deadline_s
@@ -205,7 +245,7 @@ class WebhookHandler(BaseHTTPRequestHandler):
         remaining = length
         while remaining:
             if time.monotonic() > deadline:
-                self.close_connection = True
+                self.close_connection = self.unread_body = True
                 self._refuse(HTTPStatus.REQUEST_TIMEOUT, "the body took too long")
                 return None
             chunk = self.rfile.read1(min(remaining, 65536))
@@ -264,12 +304,29 @@ def serve(settings: ServerSettings, context: ssl.SSLContext, verify: Callable[[s
     finally:
         server.ready.clear()
         server.shutdown()
+        server.close_idle_connections()
         loop.join()
         server.server_close()  # waits for the requests in flight
         verifier.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         log.write("stopped")
+
+
+def _linger(tls: ssl.SSLSocket, seconds: float = 2.0, limit: int = 8 << 20) -> None:
+    """Close gently a connection whose body was left unread: closing it at once would reset it, and the
+    client could lose the answer (413, 411) before reading it. Stop writing, read what is left, briefly."""
+    deadline = time.monotonic() + seconds
+    try:
+        tls.shutdown(socket.SHUT_WR)
+        tls.settimeout(0.5)
+        while limit > 0 and time.monotonic() < deadline:
+            chunk = tls.recv(65536)
+            if not chunk:
+                return
+            limit -= len(chunk)
+    except (OSError, ValueError):
+        pass
 
 
 def _host(host: str) -> str:
