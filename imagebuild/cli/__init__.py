@@ -16,8 +16,9 @@ from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .scan_commands import gate_command, scan
 from .test_command import test_command
+from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify")
 
 
 class PipelineGroup(click.Group):
@@ -50,6 +51,7 @@ def cli(debug: bool) -> None:
 
 for command in (validate, support, plan, render, build, test_command, scan, gate_command):
     cli.add_command(command)
+cli.add_command(verify_command)
 cli.add_command(admission_group)
 
 
