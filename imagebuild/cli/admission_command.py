@@ -12,6 +12,7 @@ from .. import admission
 from ..admission_server import DecisionLog, ServerSettings, serve, tls_context
 from ..source import InputError
 from ..trust import FailurePolicy, Mode, TrustConfig, load_trust_config
+from ..verify import Verifier
 from .common import EXIT_FAILED, reports_input_errors
 
 config_option = click.option(
@@ -56,8 +57,6 @@ def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, p
       imagebuild admission serve --config examples/local/trust.yaml \\
           --tls-cert cert.pem --tls-key key.pem --host 127.0.0.1 --port 9443
     """
-    from ..verify import Verifier
-
     config = load_trust_config(config_path)
     context = _tls(tls_cert, tls_key)
     verifier = Verifier(config)  # one for the whole server: its cache serves every request
@@ -85,8 +84,6 @@ def review_command(config_path: Path, review_file: Path) -> None:
       kubectl create -f pod.yaml --dry-run=server   # what the cluster does with the same webhook
       cat review.json | imagebuild admission review --config trust.yaml - | jq .response
     """
-    from ..verify import Verifier
-
     config = load_trust_config(config_path)
     body = _read(review_file)
     verifier = Verifier(config)

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -260,7 +261,7 @@ def start_webhook(tls, tmp_path_factory):
             [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),
              "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--host", "127.0.0.1", "--port", str(port)],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
-        webhook = Webhook(process, f"https://127.0.0.1:{port}", httpx.Client(verify=str(tls.ca), timeout=30),
+        webhook = Webhook(process, f"https://127.0.0.1:{port}", httpx.Client(verify=ssl.create_default_context(cafile=str(tls.ca)), timeout=30),
                           log_path)
         started.append(webhook)
         deadline = time.monotonic() + 30
@@ -348,22 +349,22 @@ def test_a_pod_with_a_signed_image_by_digest_is_allowed(webhook, images):
 
 def test_an_unsigned_image_is_denied_and_named(webhook, images):
     message = denial(webhook.review(pod(("app", images.unsigned))))
-    assert message.startswith(f'imagebuild refused 1 of 1 image: container "app" image {images.unsigned}: ')
+    assert message.startswith(f'imagebuild refused 1 of 1 image: container "app" image {images.unsigned}: not signed')
 
 
 def test_an_image_signed_with_another_key_is_denied(webhook, images):
     message = denial(webhook.review(pod(("app", images.other_key))))
-    assert f'container "app" image {images.other_key}: ' in message
+    assert f'container "app" image {images.other_key}: the signature does not verify with any configured key' in message
 
 
 def test_a_tag_moved_to_an_unsigned_digest_is_denied(webhook, images):
     message = denial(webhook.review(pod(("app", images.moved_tag))))
-    assert f'container "app" image {images.moved_tag}: ' in message
+    assert f'container "app" image {images.moved_tag}: not signed' in message
 
 
 def test_an_image_from_a_registry_outside_the_policy_is_denied_though_signed(webhook, images):
     message = denial(webhook.review(pod(("app", images.outside))))
-    assert f'container "app" image {images.outside}: ' in message
+    assert f'container "app" image {images.outside}: not covered by the policy' in message
 
 
 def test_a_multi_container_pod_with_one_bad_image_is_denied_naming_only_that_one(webhook, images):
@@ -417,7 +418,7 @@ def test_warn_mode_admits_an_unsigned_image_with_a_warning_that_names_it(start_w
 def test_an_unreachable_registry_denies_under_failure_policy_fail(webhook):
     image = f"{UNREACHABLE}/admission-e2e/app:1"
     message = denial(webhook.review(pod(("app", image))))
-    assert f'container "app" image {image}: ' in message
+    assert f'container "app" image {image}: registry unreachable: {UNREACHABLE}' in message
 
 
 def test_an_unreachable_registry_admits_with_a_warning_under_failure_policy_ignore(start_webhook, images):
@@ -425,7 +426,7 @@ def test_an_unreachable_registry_admits_with_a_warning_under_failure_policy_igno
     image = f"{UNREACHABLE}/admission-e2e/app:1"
     response = ignore.review(pod(("app", image)))
     assert response["allowed"] is True, response
-    assert response["warnings"][0].startswith(f'container "app" image {image}: ')
+    assert response["warnings"][0].startswith(f'container "app" image {image}: registry unreachable')
     assert response["warnings"][0].endswith("(admitted: failure_policy is ignore)")
     # Failing open is for an unreachable registry only: a reachable one's refusal still stands.
     assert ignore.review(pod(("app", images.unsigned)))["allowed"] is False
@@ -535,3 +536,30 @@ def test_sigterm_stops_the_server_cleanly(start_webhook, images):
     assert hook.stop() == 0
     log = [json.loads(line) for line in hook.log_path.read_text().splitlines()]
     assert [entry["event"] for entry in log[-2:]] == ["stopping", "stopped"]
+
+
+# --- imagebuild admission review: the same answer, offline --------------------------------------------------
+
+
+def test_review_judges_one_admission_review_from_a_file_like_the_webhook(imagebuild, images, tmp_path):
+    config = trust_file(tmp_path)
+    allowed, denied = tmp_path / "allowed.json", tmp_path / "denied.json"
+    allowed.write_text(json.dumps(pod(("app", images.signed))))
+    denied.write_text(json.dumps(pod(("app", images.signed), ("sidecar", images.unsigned))))
+    ok = imagebuild("admission", "review", "--config", config, allowed)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["response"]["allowed"] is True
+    refused = imagebuild("admission", "review", "--config", config, denied)
+    assert refused.returncode == 1, refused.stderr
+    message = json.loads(refused.stdout)["response"]["status"]["message"]
+    assert message.startswith(f'imagebuild refused 1 of 2 images: container "sidecar" image {images.unsigned}: not signed')
+
+
+def test_review_of_a_body_without_a_uid_is_bad_input_in_one_line(imagebuild, tmp_path):
+    body = tmp_path / "review.json"
+    body.write_text('{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}}')
+    run = imagebuild("admission", "review", "--config", trust_file(tmp_path), body)
+    assert run.returncode == 2
+    assert run.stderr == (f"error: {body}: imagebuild: malformed AdmissionReview: request.uid: missing, or not a "
+                          "non-empty string\n")
+    assert run.stdout == ""
