@@ -338,3 +338,39 @@ def test_a_long_denial_message_is_bounded():
     message = answer(pod_review(*images), verify).body["response"]["status"]["message"]
     assert message.startswith("imagebuild refused 100 of 100 images: ")
     assert len(message) <= 8000
+
+
+# --- the webhook's verification of a request's images (admission_server.ParallelVerifier) ----------------------
+
+
+def test_an_error_while_verifying_one_image_refuses_that_image_and_the_others_are_still_judged():
+    from imagebuild.admission_server import ParallelVerifier
+
+    def verify(image):
+        if image == BAD:
+            raise RuntimeError("unexpected manifest")
+        return FakeVerdict(image, True, "signed by test-key")
+
+    parallel = ParallelVerifier(verify, workers=2)
+    try:
+        outcome = answer(pod_review(("app", GOOD), ("sidecar", BAD)), parallel)
+    finally:
+        parallel.close()
+    response = outcome.body["response"]
+    assert response["allowed"] is False
+    assert response["status"]["message"] == (f'imagebuild refused 1 of 2 images: container "sidecar" image {BAD}: '
+                                              "verification failed: RuntimeError: unexpected manifest")
+
+
+def test_an_error_while_verifying_is_refused_even_under_failure_policy_ignore():
+    from imagebuild.admission_server import ParallelVerifier
+
+    def verify(image):
+        raise ValueError("bug")
+
+    parallel = ParallelVerifier(verify, workers=1)
+    try:
+        response = answer(pod_review(("app", GOOD)), parallel, Policy(fail_closed=False)).body["response"]
+    finally:
+        parallel.close()
+    assert response["allowed"] is False
