@@ -11,6 +11,7 @@ import os
 
 import click
 
+from .admission_command import admission_group
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
@@ -54,6 +55,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
                 policies_group):
     cli.add_command(command)
 cli.add_command(verify_command)
+cli.add_command(admission_group)
 
 
 def main() -> None:
