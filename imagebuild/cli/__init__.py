@@ -12,6 +12,7 @@ import os
 import click
 
 from .build_command import build
+from .harbor_command import harbor_group
 from .matrix_commands import plan, render, support, validate
 from .scan_commands import gate_command, scan
 from .test_command import test_command
@@ -49,6 +50,7 @@ def cli(debug: bool) -> None:
 
 for command in (validate, support, plan, render, build, test_command, scan, gate_command):
     cli.add_command(command)
+cli.add_command(harbor_group)
 
 
 def main() -> None:
