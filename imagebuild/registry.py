@@ -30,6 +30,10 @@ class RegistryError(Exception):
     pass
 
 
+class RegistryUnreachable(RegistryError):
+    """No answer at all (connection refused, DNS, TLS, timeout), or a 5xx: the registry is down, not saying no."""
+
+
 @dataclass(frozen=True)
 class ImageRef:
     registry: str
@@ -137,7 +141,7 @@ class Registry:
         try:
             return self.client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise RegistryError(f"{self.registry}: {exc.__class__.__name__}: {exc}") from None
+            raise RegistryUnreachable(f"{self.registry}: {exc.__class__.__name__}: {exc}") from None
 
     def ping(self) -> None:
         response = self._request("GET", "/v2/")
@@ -150,6 +154,8 @@ class Registry:
                                  headers={"Accept": MANIFEST_TYPES})
         if response.status_code == 404:
             return None
+        if response.status_code >= 500:
+            raise RegistryUnreachable(f"{self.registry}/{repository}:{reference}: HEAD answered {response.status_code}")
         if response.status_code != 200:
             raise RegistryError(f"{self.registry}/{repository}:{reference}: HEAD answered {response.status_code}")
         return response.headers.get("docker-content-digest")
@@ -178,6 +184,40 @@ class Registry:
             raise RegistryError(f"{self.registry}/{repository}:{reference}: GET manifest answered {response.status_code}")
         return (response.content, response.headers.get("content-type", ""),
                 response.headers.get("docker-content-digest", ""))
+
+    def find_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str] | None:
+        """Like get_manifest, but None when the registry says it does not exist (404)."""
+        response = self._request("GET", f"/v2/{repository}/manifests/{reference}",
+                                 headers={"Accept": MANIFEST_TYPES})
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 500:
+            raise RegistryUnreachable(f"{self.registry}/{repository}:{reference}: GET manifest answered "
+                                      f"{response.status_code}")
+        if response.status_code != 200:
+            raise RegistryError(f"{self.registry}/{repository}:{reference}: GET manifest answered {response.status_code}")
+        return (response.content, response.headers.get("content-type", ""),
+                response.headers.get("docker-content-digest", ""))
+
+    def get_blob_limited(self, repository: str, digest: str, max_bytes: int) -> bytes:
+        """A blob, refused (RegistryError) once the registry sends more than max_bytes of it."""
+        try:
+            with self.client.stream("GET", f"/v2/{repository}/blobs/{digest}", follow_redirects=True) as response:
+                if response.status_code >= 500:
+                    raise RegistryUnreachable(f"{self.registry}/{repository}@{digest}: GET blob answered "
+                                              f"{response.status_code}")
+                if response.status_code != 200:
+                    raise RegistryError(f"{self.registry}/{repository}@{digest}: GET blob answered "
+                                        f"{response.status_code}")
+                chunks, size = [], 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise RegistryError(f"{self.registry}/{repository}@{digest}: blob larger than {max_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.HTTPError as exc:
+            raise RegistryUnreachable(f"{self.registry}: {exc.__class__.__name__}: {exc}") from None
 
     def get_blob(self, repository: str, digest: str) -> bytes:
         response = self._request("GET", f"/v2/{repository}/blobs/{digest}", follow_redirects=True)
