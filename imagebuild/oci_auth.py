@@ -338,7 +338,8 @@ class RegistryAuth(httpx.Auth):
             form = {"grant_type": "refresh_token", "refresh_token": creds.identity_token,
                     "service": challenge.service, "client_id": "imagebuild", "scope": " ".join(scopes)}
             return httpx.Request("POST", challenge.realm, data=form)
-        params: list[tuple[str, str]] = [("service", challenge.service)] if challenge.service else []
+        params: list[tuple[str, str | int | float | bool | None]] = (
+            [("service", challenge.service)] if challenge.service else [])
         params += [("scope", scope) for scope in scopes]
         headers = {}
         if creds.username:

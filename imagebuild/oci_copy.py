@@ -131,10 +131,11 @@ class _Copier:
             self.stats.add(blobs_present=1)
             return
         if self.same_registry:
-            location = self.target.start_upload(self.target_repository, digest, self.source_repository)
-            if location is None:
+            mounted_or_session = self.target.try_mount(self.target_repository, digest, self.source_repository)
+            if mounted_or_session is None:
                 self.stats.add(blobs_mounted=1)
                 return
+            location = mounted_or_session
         else:
             location = self.target.start_upload(self.target_repository)
         if 0 <= size <= self.options.chunk_size:
@@ -216,7 +217,7 @@ class _Copier:
             held = self.target.upload_offset(self.target_repository, location)
             if held is None or not 0 <= held - offset <= len(piece):
                 self.stats.add(uploads_restarted=1)
-                location = self.target.start_upload(self.target_repository) or location
+                location = self.target.start_upload(self.target_repository)
                 hasher, offset, pending = hashlib.sha256(), 0, b""
                 if stream is not None:
                     stream.close()
@@ -280,12 +281,13 @@ class _Copier:
     def _merge_fallback_index(self, digest: str, descriptors: list[dict]) -> None:
         tag = cosign_tag(digest)
         existing = self.target.find_manifest(self.target_repository, tag)
-        index = json.loads(existing[0]) if existing else {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}
-        known = {d["digest"] for d in index.get("manifests", [])}
+        index: dict = json.loads(existing[0]) if existing else {"schemaVersion": 2, "mediaType": OCI_INDEX}
+        listed: list[dict] = list(index.get("manifests") or [])
+        known = {d["digest"] for d in listed}
         added = [d for d in descriptors if d["digest"] not in known]
         if not added:
             return
-        index["manifests"] = [*index.get("manifests", []), *added]
+        index["manifests"] = listed + added
         raw = json.dumps(index, separators=(",", ":")).encode()
         self.target.put_manifest(self.target_repository, tag, raw, OCI_INDEX)
         self.stats.add(manifests_put=1, tags_put=1)

@@ -134,8 +134,8 @@ class RetryingTransport(httpx.BaseTransport):
                 reason = f"HTTP {response.status_code}"
             assert wait is not None
             if time.monotonic() - started + wait > self.policy.max_elapsed_s:
-                if error is not None:
-                    raise error
+                if error is not None or response is None:
+                    raise error or httpx.ConnectError("gave up", request=request)
                 return response
             self.log.record(f"{request.method} {request.url.path}: {reason}", wait)
             self._sleep(wait)

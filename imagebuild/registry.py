@@ -342,16 +342,24 @@ class Registry:
     def _location(self, response: httpx.Response) -> str:
         return str(response.url.join(response.headers["location"]))
 
-    def start_upload(self, repository: str, mount: str | None = None,
-                     mount_from: str | None = None) -> str | None:
-        """Open an upload session (its URL), or None when the blob was mounted from `mount_from`."""
-        params = {"mount": mount, "from": mount_from} if mount and mount_from else None
-        response = self._request("POST", f"/v2/{repository}/blobs/uploads/", params=params,
-                                 repository=repository, operation="start upload")
-        if response.status_code == 201 and params:
-            return None
+    def start_upload(self, repository: str) -> str:
+        """Open an upload session; its URL."""
+        response = self._request("POST", f"/v2/{repository}/blobs/uploads/", repository=repository,
+                                 operation="start upload")
         if response.status_code != 202 or "location" not in response.headers:
             raise self._fail(response, "start upload", repository)
+        return self._location(response)
+
+    def try_mount(self, repository: str, digest: str, source_repository: str) -> str | None:
+        """Mount a blob of `source_repository` (same registry): None when mounted, else the upload
+        session the registry opened instead (it may not hold the blob, or may not allow mounts)."""
+        response = self._request("POST", f"/v2/{repository}/blobs/uploads/",
+                                 params={"mount": digest, "from": source_repository},
+                                 repository=repository, operation="mount blob")
+        if response.status_code == 201:
+            return None
+        if response.status_code != 202 or "location" not in response.headers:
+            raise self._fail(response, "mount blob", repository, digest)
         return self._location(response)
 
     def upload_offset(self, repository: str, location: str) -> int | None:
@@ -368,7 +376,7 @@ class Registry:
         """Make a blob of another repository on this registry available here, without copying."""
         if self.blob_size(repository, digest) is not None:
             return
-        location = self.start_upload(repository, digest, source_repository)
+        location = self.try_mount(repository, digest, source_repository)
         if location is not None:
             self._request("DELETE", location, repository=repository, operation="cancel upload")
             raise RegistryError(f"{self.registry}: mounting {digest} from {source_repository} into "
