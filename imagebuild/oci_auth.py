@@ -281,7 +281,8 @@ class RegistryAuth(httpx.Auth):
     first challenge: a registry that needs none never runs a credential helper.
     """
 
-    requires_response_body = True
+    # False: a streamed blob must stay streamed. The one body the flow reads (a token) it reads itself.
+    requires_response_body = False
 
     def __init__(self, registry: str, credentials: Credentials | Callable[[], Credentials] | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -372,6 +373,7 @@ class RegistryAuth(httpx.Auth):
                 return cached
             self.token_requests += 1
             token_response = yield self.token_request(challenge, scopes)
+            token_response.read()
             if token_response.status_code in (401, 403):
                 raise AuthDenied(f"{self.registry}: the token service refused the credentials "
                                  f"(HTTP {token_response.status_code})", token_response.status_code)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,6 +71,13 @@ def cosign_tag(digest: str, suffix: str | None = None) -> str:
     """`sha256:abc` -> `sha256-abc.sig` (cosign), or `sha256-abc` (the OCI referrers fallback tag)."""
     base = digest.replace(":", "-", 1)
     return f"{base}.{suffix}" if suffix else base
+
+
+def _once(data: bytes) -> Iterator[bytes]:
+    """A request body that lets go of its bytes once sent. httpx's responses sit in reference
+    cycles with their requests, so a body given as bytes lives until the garbage collector
+    runs: one chunk per PATCH piled up, the whole blob by the end."""
+    yield data
 
 
 def _blobs(manifest: dict) -> list[dict]:
@@ -237,10 +244,10 @@ class _Copier:
 
     def _patch(self, location: str, piece: bytes, offset: int) -> tuple[int, str | None]:
         """Send one chunk: (status, the session's next URL); a lost connection reads as status 0."""
-        headers = {"Content-Type": "application/octet-stream",
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(piece)),
                    "Content-Range": f"{offset}-{offset + len(piece) - 1}"}
         try:
-            response = self.target.client.request("PATCH", location, content=piece, headers=headers)
+            response = self.target.client.request("PATCH", location, content=_once(piece), headers=headers)
         except httpx.TransportError:
             return 0, None
         if response.status_code == 202:

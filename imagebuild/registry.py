@@ -50,6 +50,10 @@ class RegistryError(Exception):
         self.registry, self.repository, self.operation, self.status = registry, repository, operation, status
 
 
+class RegistryUnreachable(RegistryError):
+    """No answer at all (connection refused, DNS, TLS, timeout), or a 5xx: the registry is down, not saying no."""
+
+
 class RegistryAuthError(RegistryError):
     """The registry refused our credentials (401/403): a setup problem, not a transient one."""
 
@@ -182,14 +186,15 @@ class Registry:
                                     registry=self.registry, repository=repository,
                                     operation=operation or method, status=exc.status) from None
         except httpx.HTTPError as exc:
-            raise RegistryError(f"{self._where(repository)}: {operation or method}: {exc.__class__.__name__}: "
-                                f"{_scrub(str(exc), self.auth)}",
-                                registry=self.registry, repository=repository, operation=operation or method) from None
+            raise RegistryUnreachable(f"{self._where(repository)}: {operation or method}: {exc.__class__.__name__}: "
+                                      f"{_scrub(str(exc), self.auth)}", registry=self.registry,
+                                      repository=repository, operation=operation or method) from None
 
     def _fail(self, response: httpx.Response, operation: str, repository: str | None,
               reference: str | None = None) -> RegistryError:
         status = response.status_code
-        kind = RegistryAuthError if status in (401, 403) else RegistryError
+        kind = (RegistryAuthError if status in (401, 403) else
+                RegistryUnreachable if status >= 500 or status == 429 else RegistryError)
         hint = ""
         if status == 401:
             hint = " (credentials missing or refused)"
@@ -267,14 +272,13 @@ class Registry:
         return raw, media_type, digest
 
     def find_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str] | None:
-        """get_manifest, or None when the registry does not have it."""
-        response = self._request("HEAD", f"/v2/{repository}/manifests/{reference}",
-                                 headers={"Accept": MANIFEST_TYPES}, repository=repository, operation="HEAD manifest")
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            raise self._fail(response, "HEAD manifest", repository, reference)
-        return self.get_manifest(repository, reference)
+        """get_manifest, or None when the registry says it does not exist (404)."""
+        try:
+            return self.get_manifest(repository, reference)
+        except RegistryError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def put_manifest(self, repository: str, reference: str, raw: bytes, media_type: str) -> str:
         response = self._request("PUT", f"/v2/{repository}/manifests/{reference}", content=raw,
@@ -317,6 +321,22 @@ class Registry:
                                 registry=self.registry, repository=repository, operation="GET blob")
         return response.content
 
+    def get_blob_limited(self, repository: str, digest: str, max_bytes: int) -> bytes:
+        """A blob, refused (RegistryError) once the registry sends more than max_bytes of it."""
+        chunks, size = [], 0
+        try:
+            with self.open_blob(repository, digest) as response:
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise RegistryError(f"{self._where(repository, digest)}: blob larger than {max_bytes} bytes",
+                                            registry=self.registry, repository=repository, operation="GET blob")
+                    chunks.append(chunk)
+        except httpx.HTTPError as exc:
+            raise RegistryUnreachable(f"{self._where(repository, digest)}: GET blob: {exc.__class__.__name__}",
+                                      registry=self.registry, repository=repository, operation="GET blob") from None
+        return b"".join(chunks)
+
     @contextmanager
     def open_blob(self, repository: str, digest: str, offset: int = 0) -> Iterator[httpx.Response]:
         """A streamed GET of a blob from `offset` on (a Range request past 0)."""
@@ -328,8 +348,8 @@ class Registry:
             raise RegistryAuthError(str(exc), registry=self.registry, repository=repository,
                                     operation="GET blob", status=exc.status) from None
         except httpx.HTTPError as exc:
-            raise RegistryError(f"{self._where(repository, digest)}: GET blob: {exc.__class__.__name__}",
-                                registry=self.registry, repository=repository, operation="GET blob") from None
+            raise RegistryUnreachable(f"{self._where(repository, digest)}: GET blob: {exc.__class__.__name__}",
+                                      registry=self.registry, repository=repository, operation="GET blob") from None
         try:
             expected = 206 if offset else 200
             if response.status_code != expected:

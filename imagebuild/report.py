@@ -90,6 +90,7 @@ class StageStatus(_Word):
     ERROR = "error"  # smoke: the suite could not run (timeout, no JUnit, docker error)
     SKIPPED = "skipped"  # scan: the variant was not built
     INTERRUPTED = "interrupted"  # the stage was cancelled while it ran for this variant
+    REFUSED = "refused"  # sign: smoke or gate did not pass for this digest, so nothing was done
 
 
 def _status(kind: type[_Word], value: Any) -> Any:
@@ -215,6 +216,28 @@ class GateStage(StageRecord):
     excepted: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@stage_record("sign")
+@dataclass
+class SignStage(StageRecord):
+    """`imagebuild sign`: the cosign signature and the four attestations, by digest (sign.py)."""
+
+    status: StageStatus  # passed, failed, refused, interrupted
+    digest: str | None = None  # the image signed: a rerun skips only while this is still the variant's digest
+    image: str | None = None  # repository@digest
+    key: str | None = None  # a key file's path or a KMS URI, never key material; None when keyless
+    keyless: bool = False
+    layout: str | None = None  # "tag": cosign v2's `<repo>:sha256-<hex>.sig` / `.att` tags
+    signature: str | None = None  # the signature's tag reference
+    attestation_ref: str | None = None  # the attestations' tag reference
+    attestations: list[dict[str, str]] = field(default_factory=list)  # [{type, predicate_type}]
+    predicates: dict[str, str] = field(default_factory=dict)  # type -> predicate file, relative to WORKDIR
+    tlog: bool = False  # uploaded to a transparency log (Rekor)
+    cosign_version: str | None = None
+    signed_at: str | None = None
+    reason: str | None = None  # why refused or failed
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -49,7 +49,7 @@ def test_status_words_serialise_as_the_strings_reports_always_held():
     assert [s.value for s in LayerStatus] == ["pending", "to-build", "reused", "building", "built", "failed", "skipped"]
     assert [s.value for s in VariantStatus] == ["pending", "built", "failed"]
     assert [s.value for s in ReportStatus] == ["pending", "planned", "ok", "failed", "interrupted"]
-    assert {s.value for s in StageStatus} == {"ok", "passed", "failed", "error", "skipped", "interrupted"}
+    assert {s.value for s in StageStatus} == {"ok", "passed", "failed", "error", "skipped", "interrupted", "refused"}
     assert json.dumps([LayerStatus.TO_BUILD, StageStatus.PASSED]) == '["to-build", "passed"]'
     assert f"{VariantStatus.BUILT:8}|{ReportStatus.OK}" == "built   |ok"
 

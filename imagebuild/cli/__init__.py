@@ -11,12 +11,16 @@ import os
 
 import click
 
+from .admission_command import admission_group
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
+from .policies_command import policies_group
 from .scan_commands import gate_command, scan
+from .sign_command import sign_command
 from .test_command import test_command
+from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify")
 
 
 class PipelineGroup(click.Group):
@@ -47,8 +51,11 @@ def cli(debug: bool) -> None:
 
 
 
-for command in (validate, support, plan, render, build, test_command, scan, gate_command):
+for command in (validate, support, plan, render, build, test_command, scan, gate_command, sign_command,
+                policies_group):
     cli.add_command(command)
+cli.add_command(verify_command)
+cli.add_command(admission_group)
 
 
 def main() -> None:

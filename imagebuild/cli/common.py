@@ -125,7 +125,7 @@ def dockerfiles_dir(matrix_path: Path, out: Path | None) -> Path:
     return out if out is not None else matrix_path.parent / "dockerfiles"
 
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign")
 
 
 registry_option = click.option(

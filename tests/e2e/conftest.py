@@ -191,3 +191,72 @@ def scanned_example(built_example, trivy, trivy_db, tmp_path_factory) -> Scanned
     seconds = time.monotonic() - started
     assert run.returncode == 0, f"imagebuild scan failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return ScannedExample(workdir, cache_dir, run, seconds)
+
+
+# --- signing (imagebuild sign): the example smoke-tested, gated and signed once per session -----------
+
+KEYS = Path("/var/lib/imagebuild/keys")
+COSIGN_KEY, COSIGN_PUB, COSIGN_PASSWORD_FILE = KEYS / "cosign.key", KEYS / "cosign.pub", KEYS / "cosign.password"
+EXAMPLE_POLICY = EXAMPLE.parent / "policy.yaml"
+
+
+@dataclass
+class SignedExample:
+    workdir: Path  # build-report.json with stages smoke, scan, gate and sign; scan/, smoke/, gate/, sign/
+    report_path: Path
+    images: list[str]  # registry/repository@sha256:... of every signed variant
+    tags: list[str]  # the tag references of those variants
+    public_key: Path  # verifies the signatures and attestations (cosign.pub)
+    run: Run | None = None  # the `imagebuild sign` that signed them
+
+    @property
+    def report(self) -> dict:
+        return json.loads(self.report_path.read_text())
+
+    def copy(self, target: Path) -> Path:
+        """A workdir of a test's own, for tests that edit the report."""
+        import shutil
+
+        shutil.copytree(self.workdir, target)
+        return target / "build-report.json"
+
+
+@pytest.fixture(scope="session")
+def cosign_keys() -> dict:
+    """The key pair bootstrap generates outside the repository, and the key's password."""
+    missing = [str(p) for p in (COSIGN_KEY, COSIGN_PUB, COSIGN_PASSWORD_FILE) if not p.is_file()]
+    if missing:
+        pytest.fail(f"cosign key pair missing ({', '.join(missing)}); run scripts/bootstrap.sh", pytrace=False)
+    return {"key": COSIGN_KEY, "pub": COSIGN_PUB, "password": COSIGN_PASSWORD_FILE.read_text().strip()}
+
+
+@pytest.fixture(scope="session")
+def cosign() -> str:
+    from imagebuild.sign import Cosign
+    from imagebuild.tools import ToolMissing
+
+    try:
+        return Cosign.find().path
+    except ToolMissing as exc:
+        pytest.fail(f"{exc}; run scripts/bootstrap.sh", pytrace=False)
+
+
+def sign_workdir(workdir: Path, key: Path | str, password: str, *args: str) -> Run:
+    return imagebuild("sign", "--workdir", str(workdir), "--key", str(key), *args,
+                      env={"COSIGN_PASSWORD": password}, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def signed_example(scanned_example, cosign, cosign_keys, tmp_path_factory) -> SignedExample:
+    """The scanned example smoke-tested (`imagebuild test`), gated with the example policy, then signed."""
+    workdir = scanned_example.copy(tmp_path_factory.mktemp("example-sign") / "work")
+    smoke = imagebuild("test", "--workdir", str(workdir), "--format", "json", timeout=1800)
+    assert smoke.returncode == 0, f"imagebuild test failed:\n{smoke.stdout[-3000:]}\n{smoke.stderr[-3000:]}"
+    gate = imagebuild("gate", "--workdir", str(workdir), "--policy", str(EXAMPLE_POLICY), timeout=300)
+    assert gate.returncode == 0, f"imagebuild gate failed:\n{gate.stdout[-3000:]}\n{gate.stderr[-3000:]}"
+    run = sign_workdir(workdir, cosign_keys["key"], cosign_keys["password"], "--format", "json")
+    assert run.returncode == 0, f"imagebuild sign failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    report_path = workdir / "build-report.json"
+    variants = json.loads(report_path.read_text())["variants"]
+    return SignedExample(workdir, report_path, images=[v["image"] for v in variants],
+                         tags=[tag for v in variants for tag in v["images"]], public_key=cosign_keys["pub"], run=run)

@@ -277,6 +277,7 @@ class FlakyProxy:
         self.upstream = upstream
         self.faults: list[Fault] = faults or []
         self.log: list[tuple[str, str, str]] = []  # (method, path, what happened)
+        self._log_lock = threading.Lock()
         self.client = httpx.Client(base_url=f"http://{upstream}", timeout=60)
         proxy = self
 
@@ -327,7 +328,11 @@ class FlakyProxy:
             self._close(handler)
             return
         headers = [(k, v) for k, v in handler.headers.items() if k.lower() not in _HOP]
-        request = self.client.build_request(method, path, content=body, headers=headers)
+        if body:
+            headers.append(("Content-Length", str(len(body))))
+        # A one-shot iterator, so the body is not kept alive by httpx's request/response cycle
+        # (the large-blob test measures the memory the copy needs).
+        request = self.client.build_request(method, path, content=iter([body]) if body else None, headers=headers)
         response = self.client.send(request, stream=True)
         try:
             if fault and fault.kind == "forward-drop":
@@ -335,7 +340,9 @@ class FlakyProxy:
                 self.log.append((method, path, f"forwarded ({response.status_code}), answer dropped"))
                 self._close(handler)
                 return
-            self.log.append((method, path, f"forwarded ({response.status_code})"))
+            with self._log_lock:
+                entry = len(self.log)
+                self.log.append((method, path, f"forwarded ({response.status_code})"))
             content_length = response.headers.get("content-length")
             data = None if content_length is not None else response.read()
             handler.send_response(response.status_code)
@@ -354,7 +361,7 @@ class FlakyProxy:
             for piece in response.iter_raw():
                 if fault and fault.kind == "cut" and sent + len(piece) > total // 2:
                     handler.wfile.write(piece[: total // 2 - sent])
-                    self.log[-1] = (method, path, "body cut in half")
+                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body cut in half")
                     self._close(handler)
                     return
                 handler.wfile.write(piece)

@@ -1,0 +1,125 @@
+"""imagebuild admission: the validating admission webhook (serve) and one review judged offline (review)."""
+from __future__ import annotations
+
+import json
+import ssl
+import sys
+from pathlib import Path
+
+import click
+
+from .. import admission
+from ..admission_server import DecisionLog, ServerSettings, serve, tls_context
+from ..source import InputError
+from ..trust import FailurePolicy, Mode, TrustConfig, load_trust_config
+from ..verify import Verifier
+from .common import EXIT_FAILED, reports_input_errors
+
+config_option = click.option(
+    "--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+    help="The trust configuration: keys, covered images, requirements, mode, failure policy, cache TTL.")
+
+
+@click.group("admission")
+def admission_group() -> None:
+    """The validating admission webhook: Kubernetes asks it about every Pod and Pod template.
+
+    It verifies each container, init container and ephemeral container image with the same
+    checks as `imagebuild verify` and allows the object only when every image passes.
+    """
+
+
+@admission_group.command("serve")
+@config_option
+@click.option("--tls-cert", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="PEM certificate chain the webhook presents (its Service's DNS name in the SAN).")
+@click.option("--tls-key", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="PEM private key of that certificate.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8443, show_default=True, type=click.IntRange(1, 65535), help="HTTPS port.")
+@reports_input_errors
+def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, port: int) -> None:
+    """Serve AdmissionReview v1 over HTTPS (TLS 1.2+) until SIGTERM.
+
+    \b
+    POST /validate   the webhook (ValidatingWebhookConfiguration's path)
+    GET  /healthz    liveness: the process answers
+    GET  /readyz     readiness: 503 once SIGTERM came, while requests in flight finish
+
+    Verdicts are cached by digest for the configuration's cache_ttl_seconds, across requests;
+    a tag is resolved again on every request, so a moved tag is noticed at once. One JSON line
+    per decision on stderr (uid, kind, namespace/name, decision, images).
+
+    \b
+    Examples:
+      imagebuild admission serve --config policies/trust.yaml \\
+          --tls-cert /tls/tls.crt --tls-key /tls/tls.key
+      imagebuild admission serve --config examples/local/trust.yaml \\
+          --tls-cert cert.pem --tls-key key.pem --host 127.0.0.1 --port 9443
+    """
+    config = load_trust_config(config_path)
+    context = _tls(tls_cert, tls_key)
+    verifier = Verifier(config)  # one for the whole server: its cache serves every request
+    settings = ServerSettings(host=host, port=port)
+    try:
+        serve(settings, context, verifier.verify, _policy(config), DecisionLog(sys.stderr))
+    except OSError as err:
+        click.echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+@admission_group.command("review")
+@config_option
+@click.argument("review_file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@reports_input_errors
+def review_command(config_path: Path, review_file: Path) -> None:
+    """Judge one AdmissionReview v1 (a file, or - for stdin) as the webhook would; print its response.
+
+    Exit 0 when allowed, 1 when denied (a malformed review with a uid is denied too), 2 when the
+    file is not a review that can be answered at all (no request.uid).
+
+    \b
+    Examples:
+      imagebuild admission review --config policies/trust.yaml review.json
+      kubectl create -f pod.yaml --dry-run=server   # what the cluster does with the same webhook
+      cat review.json | imagebuild admission review --config trust.yaml - | jq .response
+    """
+    config = load_trust_config(config_path)
+    body = _read(review_file)
+    verifier = Verifier(config)
+    outcome = admission.review(body, lambda images: {image: verifier.verify(image) for image in images},
+                               _policy(config))
+    if outcome.http_status != 200:
+        raise InputError(str(review_file), None, "", outcome.body["error"])
+    click.echo(json.dumps(outcome.body, indent=2))
+    if not outcome.body["response"]["allowed"]:
+        sys.exit(EXIT_FAILED)
+
+
+def _policy(config: TrustConfig) -> admission.Policy:
+    return admission.Policy(enforce=config.mode is Mode.ENFORCE, fail_closed=config.failure_policy is FailurePolicy.FAIL)
+
+
+def _tls(cert: Path, key: Path) -> ssl.SSLContext:
+    for path, what in ((cert, "--tls-cert"), (key, "--tls-key")):
+        if not path.is_file():
+            raise InputError(str(path), None, what, "no such file")
+    try:
+        return tls_context(cert, key)
+    except (ssl.SSLError, ValueError, OSError) as err:
+        raise InputError(str(cert), None, "--tls-cert/--tls-key",
+                         f"not a PEM certificate chain and its private key ({getattr(err, 'reason', None) or err})"
+                         ) from None
+
+
+def _read(path: Path) -> bytes:
+    limit = admission.LIMITS.max_body_bytes
+    try:
+        if str(path) == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with path.open("rb") as handle:
+                data = handle.read(limit + 1)
+    except OSError as err:
+        raise InputError(str(path), None, "", err.strerror or str(err)) from None
+    return data

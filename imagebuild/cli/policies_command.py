@@ -1,0 +1,142 @@
+"""policies generate: admission policies and the webhook's manifests from the trust configuration."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .. import policies as policy_files
+from ..source import InputError
+from ..trust import load_trust_config
+from .common import EXIT_FAILED, format_option, reports_input_errors
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str  # relative to the output folder
+    reason: str  # "missing", "changed" or "stale" (ours, no longer generated); "unchanged" when written
+
+    def __str__(self) -> str:
+        return f"{self.reason:9} {self.path}"
+
+
+def _ours(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(policy_files.GENERATED_HEADER)) == policy_files.GENERATED_HEADER.encode()
+    except OSError:
+        return False
+
+
+def survey(root: Path, files: tuple[policy_files.GeneratedFile, ...]) -> list[Change]:
+    """How root differs from the generated files. Files without the generated header are someone
+    else's (a kustomization.yaml, a README) and are neither compared nor removed."""
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise InputError(str(root), None, "", "is not a real directory; policies are written only into one")
+    changes: list[Change] = []
+    wanted = {f.name: f.text for f in files}
+    for name, text in wanted.items():
+        target = root / name
+        if target.is_symlink() or target.is_dir() or (target.exists() and not _ours(target)):
+            raise InputError(str(target), None, "", "exists and was not written by imagebuild; move it away")
+        if not target.exists():
+            changes.append(Change(name, "missing"))
+        elif target.read_bytes() != text.encode("utf-8"):
+            changes.append(Change(name, "changed"))
+        else:
+            changes.append(Change(name, "unchanged"))
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if entry.name not in wanted and entry.is_file() and not entry.is_symlink() and _ours(entry):
+                changes.append(Change(entry.name, "stale"))
+    return changes
+
+
+def write(root: Path, files: tuple[policy_files.GeneratedFile, ...], changes: list[Change]) -> None:
+    """Each file replaced whole (temporary file + rename), so an interrupted run leaves old or new
+    files, never half of one, and a rerun finishes the set."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts = {f.name: f.text for f in files}
+    for change in changes:
+        target = root / change.path
+        if change.reason == "stale":
+            target.unlink()
+        elif change.reason in ("missing", "changed"):
+            temporary = target.with_name(f".{target.name}.tmp")
+            temporary.write_text(texts[change.path], encoding="utf-8")
+            os.replace(temporary, target)
+
+
+def _source_name(config_path: Path) -> str:
+    """How headers name the configuration: relative to the working directory when inside it, so
+    checkouts in different places generate the same bytes."""
+    try:
+        return config_path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return config_path.as_posix()
+
+
+@click.group("policies")
+def policies_group() -> None:
+    """Admission policies from the trust configuration (keys, images, requirements)."""
+
+
+@policies_group.command("generate")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("policies/trust.yaml"), show_default=True, help="The trust configuration to read.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the files go (default: admission/ beside the configuration).")
+@click.option("--ca-bundle", "ca_bundle", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              default=None, help="PEM of the CA behind the webhook's certificate, for its caBundle "
+                                 "(default: cert-manager injects it).")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 and list the drift if any file differs.")
+@format_option("table", "json")
+@reports_input_errors
+def generate(config_path: Path, out: Path | None, ca_bundle: Path | None, check: bool, output_format: str) -> None:
+    """Write a sigstore ClusterImagePolicy, a Kyverno ClusterPolicy and ImageValidatingPolicy,
+    and the manifests of `imagebuild admission serve`, from one trust configuration.
+
+    Every key in the configuration is accepted (any one suffices), so a key rotation lists both
+    keys until every image is signed with the new one. The same configuration always gives the
+    same bytes.
+
+    \b
+    Examples:
+      imagebuild policies generate                       # policies/trust.yaml -> policies/admission/
+      imagebuild policies generate --check               # CI: exit 1 when committed files drifted
+      imagebuild policies generate --config examples/local/trust.yaml --out /tmp/admission
+      imagebuild policies generate --ca-bundle ca.pem    # caBundle inline instead of cert-manager
+      imagebuild policies generate --format json | jq '.files[].path'
+    """
+    config = load_trust_config(config_path)
+    bundle = ca_bundle.read_bytes() if ca_bundle is not None else None
+    if bundle is not None and b"-----BEGIN CERTIFICATE-----" not in bundle:
+        raise InputError(str(ca_bundle), None, "", "is not a PEM certificate bundle")
+    files = policy_files.generate(config, policy_files.Options(source=_source_name(config_path), ca_bundle=bundle))
+    root = out if out is not None else config_path.parent / "admission"
+    changes = survey(root, files)
+    drift = [c for c in changes if c.reason != "unchanged"]
+    if check:
+        if output_format == "json":
+            click.echo(json.dumps({"config": str(config_path), "out": str(root),
+                                   "drift": [{"path": str(root / c.path), "reason": c.reason} for c in drift]}))
+        elif drift:
+            click.echo(f"{root}: {len(drift)} file(s) differ from {config_path}:", err=True)
+            for c in drift:
+                click.echo(f"  {c}", err=True)
+            click.echo(f"run `imagebuild policies generate --config {config_path}` and commit the result", err=True)
+        else:
+            click.echo(f"{root}: {len(files)} files up to date")
+        sys.exit(EXIT_FAILED if drift else 0)
+    write(root, files, changes)
+    if output_format == "json":
+        click.echo(json.dumps({"config": str(config_path), "out": str(root), "files": [
+            {"path": str(root / c.path), "status": c.reason} for c in changes]}, indent=2))
+        return
+    for c in drift:
+        click.echo(f"  {c}")
+    click.echo(f"{root}: {len(files)} files, {len(drift)} changed")

@@ -1,0 +1,85 @@
+"""imagebuild verify: signatures and attestations of images, against the trust config (logic in verify.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..source import InputError
+from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors
+
+DEFAULT_CONFIG = Path("policies/trust.yaml")
+
+
+@click.command("verify")
+@click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"The trust config: keys, covered images, required attestations [default: {DEFAULT_CONFIG}].")
+@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Verify with this public key instead of a config (signature only, every registry); "
+                   "repeat during a key rotation: any one key suffices.")
+@click.option("--no-attestations", is_flag=True,
+              help="Check the signature only, not the attestations the config requires.")
+@click.option("--concurrency", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Images verified at once.")
+@format_option("table", "json")
+@reports_input_errors
+def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tuple[Path, ...],
+                   no_attestations: bool, concurrency: int, output_format: str) -> None:
+    """Verify each IMAGE (a tag or a digest) as the admission webhook does, without running cosign.
+
+    The tag is resolved to its digest; the digest's cosign signature (the sha256-<hex>.sig tag)
+    must verify with one of the configured public keys and name that very digest; then the
+    attestations (.att) the config requires must be signed by one of the keys, be about that
+    digest, and satisfy its policy: smoke tests and gate passed on this digest, no unexcepted
+    vulnerability at or above block_severity. Images outside the config's registries and
+    repositories are refused.
+
+    Exit 0 when every image is allowed; 1 when any is refused (one line each on stderr:
+    `IMAGE: refused: reason`); 2 on bad input; 3 when a registry cannot be reached.
+
+    \b
+    Examples:
+      imagebuild verify --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
+      imagebuild verify IMAGE@sha256:...                       # with policies/trust.yaml
+      imagebuild verify --key cosign.pub --key cosign-next.pub IMAGE   # during a key rotation
+      imagebuild verify --no-attestations --format json IMAGE...
+    """
+    from .. import trust
+    from ..verify import Verifier, parse_image
+
+    if keys and config_path is not None:
+        raise InputError("--key", None, "", "replaces the config; give --key or --config, not both")
+    for image in images:
+        try:
+            parse_image(image)
+        except ValueError as exc:
+            raise InputError(image, None, "", f"not an image reference: {exc}") from None
+    if keys:
+        config = trust.trust_config_for_keys(list(keys))
+    else:
+        path = config_path or DEFAULT_CONFIG
+        if not path.is_file():
+            raise InputError(str(path), None, "", "no such trust config (give --config FILE or --key PUB)")
+        config = trust.load_trust_config(path)
+
+    with Verifier(config, check_attestations=not no_attestations) as verifier:
+        verdicts = verifier.verify_many(images, concurrency=concurrency)
+
+    if output_format == "json":
+        click.echo(json.dumps({"allowed": all(v.allowed for v in verdicts),
+                               "images": [v.to_dict() for v in verdicts]}, indent=2))
+    else:
+        for verdict in verdicts:
+            if verdict.allowed:
+                click.echo(f"{verdict.image}: verified: {verdict.digest}: {verdict.reason}")
+            elif verdict.unreachable:
+                click.echo(f"{verdict.image}: {verdict.reason}", err=True)  # "registry unreachable: ..."
+            else:
+                click.echo(f"{verdict.image}: refused: {verdict.reason}", err=True)
+    if any(not v.allowed and not v.unreachable for v in verdicts):
+        sys.exit(EXIT_FAILED)
+    if any(v.unreachable for v in verdicts):
+        sys.exit(EXIT_ENVIRONMENT)

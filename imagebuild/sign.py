@@ -1,0 +1,493 @@
+"""`imagebuild sign`: cosign signatures and attestations for the report's images, by digest (effects).
+
+For each selected variant of the build report:
+
+1. Refuse unless its smoke tests and its gate passed on this very digest
+   (smoke.require_smoke_passed, gate.release_refusal); the refusal is recorded and says why.
+2. Skip when `stages.sign` already passed for this digest with this key and the signature and
+   the attestations are still in the registry (a rerun signs nothing; a deleted signature is
+   signed again).
+3. Write the four predicates (attest.py) to WORKDIR/sign/<variant>/.
+4. `cosign sign` the image by digest, then check in the registry that the signature tag
+   (`<repo>:sha256-<hex>.sig`, cosign v2's layout; Distribution 2.8 has no Referrers API)
+   holds a signature whose payload names this digest.
+5. `cosign attest --replace --type T --predicate FILE` by digest for each predicate, then check
+   that the `.att` tag holds every predicate type.
+6. Record `stages.sign` (report.SignStage).
+
+Secrets: the key's password reaches cosign only through the environment (COSIGN_PASSWORD),
+never its command line; every cosign output goes through tools.Runner with that value (and
+an identity token) redacted. The key is named by its path or KMS URI; its material is never
+read. An interrupt while a variant is signed records it as interrupted, and a rerun does the
+whole variant again: `cosign sign` adds a signature beside any earlier one, and
+`attest --replace` replaces each predicate type's attestation rather than adding another.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import attest
+from .gate import release_refusal
+from .registry import ImageRef, Registry, RegistryError, base_url
+from .report import BuildReport, GateStage, ScanStage, SignStage, SmokeStage, StageStatus, VariantRecord, record_stage
+from .smoke import require_smoke_passed
+from .source import InputError
+from .tools import Result, Runner, ToolMissing, cancel_requested, find_tool
+
+# The pinned cosign; scripts/versions.env says the same (COSIGN_VERSION), a test keeps them equal.
+# The signature layout recorded below (tags beside the image) is cosign v2's.
+COSIGN_VERSION = "v2.6.5"
+LAYOUT_TAG = "tag"
+KMS_SCHEMES = ("awskms://", "gcpkms://", "azurekms://", "hashivault://", "k8s://")
+PASSWORD_ENV = "COSIGN_PASSWORD"
+TOKEN_ENV = "SIGSTORE_ID_TOKEN"  # cosign reads a keyless identity token from here when --identity-token is not given
+SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
+# cosign settings that would put signatures somewhere else than the layout we record and check.
+_COSIGN_ENV_DROPPED = ("COSIGN_REPOSITORY", "COSIGN_EXPERIMENTAL")
+
+
+class SignError(Exception):
+    """cosign failed, or the registry does not hold what it should after signing."""
+
+
+# --- options and command lines (pure) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keyless:
+    """cosign's OIDC flags, passed through. Needs Fulcio and Rekor, so it cannot run on an offline machine."""
+
+    oidc_issuer: str | None = None
+    oidc_client_id: str | None = None
+    oidc_provider: str | None = None
+    identity_token: str | None = None  # a file holding the token (a token itself would sit on the command line)
+    fulcio_url: str | None = None
+
+
+@dataclass(frozen=True)
+class SignOptions:
+    key: str | None = None  # a key file's path or a KMS URI; None with keyless
+    keyless: Keyless | None = None
+    tlog: bool = False  # upload to the transparency log (Rekor); keyless always does
+    insecure_registries: tuple[str, ...] = ()  # plain http besides loopback registries
+    timeout_s: float = 300.0
+    rekor_url: str | None = None  # the transparency log, when one is used
+
+    @property
+    def key_reference(self) -> str | None:
+        return self.key
+
+    @property
+    def uploads_to_tlog(self) -> bool:
+        return self.tlog or self.keyless is not None
+
+
+def is_kms_uri(reference: str) -> bool:
+    return reference.startswith(KMS_SCHEMES)
+
+
+def check_key(reference: str, option: str = "--key") -> str:
+    """A key file that exists (made absolute, as cosign runs elsewhere), or a KMS URI as given; else bad input."""
+    if is_kms_uri(reference):
+        if reference.rstrip("/") in (s.rstrip("/") for s in KMS_SCHEMES):
+            raise InputError(option, None, reference, "a KMS URI needs the key's name after the scheme")
+        return reference
+    if "://" in reference:
+        raise InputError(option, None, reference,
+                         f"unknown key scheme (a file, or one of {', '.join(KMS_SCHEMES)})")
+    path = Path(reference)
+    if not path.is_file():
+        raise InputError(option, None, reference, "no such key file")
+    return str(path.resolve())
+
+
+def is_insecure(image: str, options: SignOptions) -> bool:
+    registry = ImageRef.parse(image).registry
+    return registry in options.insecure_registries or base_url(registry).startswith("http://")
+
+
+def key_flags(options: SignOptions) -> list[str]:
+    if options.keyless is not None:
+        k = options.keyless
+        flags: list[str] = []
+        for name, value in (("--oidc-issuer", k.oidc_issuer), ("--oidc-client-id", k.oidc_client_id),
+                            ("--oidc-provider", k.oidc_provider), ("--identity-token", k.identity_token),
+                            ("--fulcio-url", k.fulcio_url)):
+            if value:
+                flags += [name, value]
+        return flags
+    if not options.key:
+        raise ValueError("a key reference or keyless options are needed")
+    return ["--key", options.key]
+
+
+def common_flags(image: str, options: SignOptions) -> list[str]:
+    flags = [*key_flags(options), f"--tlog-upload={'true' if options.uploads_to_tlog else 'false'}"]
+    if options.rekor_url and options.uploads_to_tlog:
+        flags += ["--rekor-url", options.rekor_url]
+    if is_insecure(image, options):
+        flags += ["--allow-http-registry", "--allow-insecure-registry"]
+    return [*flags, "--yes"]
+
+
+def sign_argv(cosign: str, image: str, options: SignOptions) -> list[str]:
+    """`cosign sign` of one image by digest (`repo@sha256:...`)."""
+    _require_digest_ref(image)
+    return [cosign, "sign", *common_flags(image, options), image]
+
+
+def attest_argv(cosign: str, image: str, kind: attest.AttestationKind, predicate: Path,
+                options: SignOptions) -> list[str]:
+    """`cosign attest` of one predicate file, replacing an earlier attestation of the same type."""
+    _require_digest_ref(image)
+    return [cosign, "attest", *common_flags(image, options), "--replace", "--type", kind.cosign_type,
+            "--predicate", str(predicate), image]
+
+
+def _require_digest_ref(image: str) -> None:
+    if ImageRef.parse(image).digest is None:
+        raise ValueError(f"{image} is not addressed by digest; only digests are signed")
+
+
+def signature_tag(digest: str, suffix: str = "sig") -> str:
+    """cosign v2's tag for what it attaches to `digest`: sha256-<hex>.sig / .att."""
+    algorithm, _, hex_digest = digest.partition(":")
+    return f"{algorithm}-{hex_digest}.{suffix}"
+
+
+def tag_ref(image: str, digest: str, suffix: str) -> str:
+    ref = ImageRef.parse(image)
+    return f"{ref.registry}/{ref.repository}:{signature_tag(digest, suffix)}"
+
+
+# --- cosign ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cosign:
+    path: str
+    version: str
+    runner: Runner = field(default_factory=Runner)
+
+    @classmethod
+    def find(cls, runner: Runner | None = None) -> Cosign:
+        """The cosign binary, refused unless it is the pinned version."""
+        path = find_tool("cosign", "IMAGEBUILD_COSIGN",
+                         f"scripts/bootstrap.sh installs cosign {COSIGN_VERSION} into /opt/imagebuild-tools/bin")
+        runner = runner or Runner()
+        result = runner.run([path, "version", "--json"], env=_clean_env(), timeout=60)
+        try:
+            version = json.loads(result.output[result.output.index("{"):])["gitVersion"]
+        except (ValueError, KeyError, TypeError):
+            raise ToolMissing(f"{path} does not answer `cosign version` ({result.output.strip()[:200]})") from None
+        if version != COSIGN_VERSION:
+            raise ToolMissing(f"{path} is cosign {version}, but imagebuild is pinned to cosign {COSIGN_VERSION} "
+                              "(scripts/versions.env): the signature layout it records and checks is that "
+                              "version's. Install the pinned one (scripts/bootstrap.sh) or point IMAGEBUILD_COSIGN "
+                              "at it.")
+        return cls(path, version, runner)
+
+    def run(self, argv: list[str], *, secrets: Iterable[str], log: Path | None, timeout: float) -> Result:
+        return self.runner.run(argv, secrets=secrets, log=log, env=_clean_env(), timeout=timeout)
+
+
+def _clean_env() -> dict[str, str | None]:
+    return {name: None for name in _COSIGN_ENV_DROPPED}
+
+
+def secret_values(options: SignOptions) -> list[str]:
+    """What must never reach a log: the key's password and a keyless identity token."""
+    values = [os.environ.get(PASSWORD_ENV, ""), os.environ.get(TOKEN_ENV, "")]
+    token = options.keyless.identity_token if options.keyless else None
+    if token:
+        try:
+            values.append(Path(token).read_text(encoding="utf-8").strip())
+        except OSError:
+            pass
+    return [v for v in values if v]
+
+
+# --- the registry side -----------------------------------------------------------------------------
+
+
+def _manifest(client: Registry, repository: str, tag: str) -> dict[str, Any] | None:
+    if client.head_manifest(repository, tag) is None:
+        return None
+    raw, _, _ = client.get_manifest(repository, tag)
+    data = json.loads(raw)
+    return data if isinstance(data, dict) else None
+
+
+def signature_present(client: Registry, image: str, digest: str) -> bool:
+    """The `.sig` tag exists and one of its signatures is over a payload naming `digest`."""
+    repository = ImageRef.parse(image).repository
+    manifest = _manifest(client, repository, signature_tag(digest, "sig"))
+    if manifest is None:
+        return False
+    for layer in manifest.get("layers") or []:
+        if SIGNATURE_ANNOTATION not in (layer.get("annotations") or {}):
+            continue
+        try:
+            payload = json.loads(client.get_blob(repository, layer["digest"]))
+        except (RegistryError, ValueError, KeyError):
+            continue
+        signed = ((payload.get("critical") or {}).get("image") or {}).get("docker-manifest-digest")
+        if signed == digest:
+            return True
+    return False
+
+
+def attestation_types(client: Registry, image: str, digest: str) -> set[str]:
+    """The predicate types attached under the `.att` tag (cosign annotates each layer with its type)."""
+    manifest = _manifest(client, ImageRef.parse(image).repository, signature_tag(digest, "att"))
+    if manifest is None:
+        return set()
+    return {str((layer.get("annotations") or {}).get("predicateType"))
+            for layer in manifest.get("layers") or [] if (layer.get("annotations") or {}).get("predicateType")}
+
+
+def registry_for(image: str, options: SignOptions) -> Registry:
+    registry = ImageRef.parse(image).registry
+    return Registry(registry, insecure=True if registry in options.insecure_registries else None)
+
+
+# --- predicates from the workdir -------------------------------------------------------------------
+
+
+def junit_tests(path: str | None) -> list[dict[str, str]]:
+    """[{name, outcome}] from a smoke run's JUnit XML; empty when it is gone."""
+    if not path:
+        return []
+    try:
+        root = ET.fromstring(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ET.ParseError):
+        return []
+    tests = []
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        for tag, word in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            if case.find(tag) is not None:
+                outcome = word
+                break
+        tests.append({"name": f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":"), "outcome": outcome})
+    return tests
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(str(path), None, "", f"{what} not found (run imagebuild scan again)") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(str(path), exc.lineno, "", f"not JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(str(path), None, "", f"{what}: not a JSON object")
+    return data
+
+
+def build_predicates(workdir: Path, variant: VariantRecord) -> dict[str, dict[str, Any]]:
+    """The four predicates of a variant, by attestation name, from its stage records and scan files."""
+    digest, image = variant.digest or "", variant.image or ""
+    scan = variant.stage(ScanStage)
+    smoke = variant.stage(SmokeStage)
+    gate = variant.stage(GateStage)
+    if scan is None or scan.status != StageStatus.OK:
+        raise SignError(f"{variant.id}: no successful scan to attest (run imagebuild scan)")
+    if smoke is None or gate is None:
+        raise SignError(f"{variant.id}: smoke or gate record missing")
+    sbom_path = workdir / scan.reports.get("sbom", "")
+    trivy_path = workdir / scan.reports.get("image", "")
+    summary_path = workdir / "scan" / "summary.json"
+    db = _read_json(summary_path, "scan summary").get("db") if summary_path.is_file() else None
+    try:
+        return {
+            attest.SBOM.name: attest.sbom_predicate(_read_json(sbom_path, "SBOM"), digest=digest, variant=variant.id),
+            attest.VULN.name: attest.vuln_predicate(_read_json(trivy_path, "Trivy report"), digest=digest,
+                                                    variant=variant.id, image=image, scan=scan.to_dict(), db=db),
+            attest.SMOKE.name: attest.smoke_predicate(smoke.to_dict(), digest=digest, variant=variant.id,
+                                                      tests=junit_tests(smoke.junit)),
+            attest.GATE.name: attest.gate_predicate(gate.to_dict(), digest=digest, variant=variant.id),
+        }
+    except attest.PredicateError as exc:
+        raise SignError(f"{variant.id}: {exc}") from None
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+PREDICATE_FILES = {attest.SBOM.name: "sbom.cdx.json", attest.VULN.name: "vuln.json",
+                   attest.SMOKE.name: "smoke.json", attest.GATE.name: "gate.json"}
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def refusal(variant: VariantRecord) -> str | None:
+    """Why this variant may not be signed, or None: smoke and gate must have passed on its digest."""
+    if variant.status != "built" or not variant.digest or not variant.image:
+        return f"{variant.id}: not built (status {variant.status})"
+    return require_smoke_passed(variant) or release_refusal(variant.id, variant.digest, variant.stages)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tail(output: str, lines: int = 8) -> str:
+    return " | ".join(line.strip() for line in output.strip().splitlines()[-lines:] if line.strip())
+
+
+@dataclass
+class SignOutcome:
+    variant: str
+    image: str
+    digest: str | None
+    action: str  # signed, skipped (already signed), refused, failed
+    record: SignStage
+
+    def row(self) -> dict[str, Any]:
+        return {"id": self.variant, "image": self.image, "digest": self.digest, "action": self.action,
+                **self.record.to_dict()}
+
+
+Event = Callable[[str, VariantRecord, str], None]  # ("start" | "done", variant, message)
+
+
+@dataclass
+class SignRun:
+    report_path: Path
+    options: SignOptions
+    cosign: Cosign
+    on_event: Event = lambda *_: None
+
+    def __post_init__(self) -> None:
+        self.report_path = self.report_path.resolve()
+        self.workdir = self.report_path.parent
+
+    def run(self, variants: list[VariantRecord]) -> list[SignOutcome]:
+        """Check everything first (bad input, an unreachable registry: nothing written), then sign one by one."""
+        prepared: dict[str, dict[str, dict[str, Any]] | SignError] = {}
+        for variant in variants:
+            if refusal(variant) is None:
+                try:
+                    prepared[variant.id] = build_predicates(self.workdir, variant)  # InputError: exit 2
+                except SignError as exc:  # a record about another digest: this variant fails, the others go on
+                    prepared[variant.id] = exc
+        one_image_per_registry = {ImageRef.parse(v.image).registry: v.image for v in variants
+                                  if v.id in prepared and v.image}
+        for image in one_image_per_registry.values():
+            with registry_for(image, self.options) as client:
+                client.ping()  # RegistryError: exit 3
+        outcomes = []
+        for variant in variants:
+            if cancel_requested():
+                break
+            outcomes.append(self.one(variant, prepared.get(variant.id)))
+        return outcomes
+
+    def _record(self, variant: VariantRecord, record: SignStage) -> None:
+        variant.stages["sign"] = record
+        record_stage(self.report_path, "sign", {variant.id: record})
+
+    def _base(self, variant: VariantRecord, status: StageStatus, **fields: Any) -> SignStage:
+        return SignStage(status=status, digest=variant.digest, image=variant.image,
+                         key=self.options.key_reference, keyless=self.options.keyless is not None,
+                         cosign_version=self.cosign.version, tlog=self.options.uploads_to_tlog, **fields)
+
+    def one(self, variant: VariantRecord,
+            predicates: dict[str, dict[str, Any]] | SignError | None = None) -> SignOutcome:
+        """Refuse, skip, or sign and attest one variant; `predicates` as run() prepared them (else built here)."""
+        image = variant.image or ""
+        why = refusal(variant)
+        if why:
+            record = self._base(variant, StageStatus.REFUSED, reason=why)
+            self._record(variant, record)
+            return SignOutcome(variant.id, image, variant.digest, "refused", record)
+        digest = variant.digest or ""
+        with registry_for(image, self.options) as client:
+            earlier = variant.stage(SignStage)
+            if earlier is not None and self.already_signed(earlier, variant, client):
+                return SignOutcome(variant.id, image, digest, "skipped", earlier)
+            self.on_event("start", variant, image)
+            try:
+                if predicates is None:
+                    predicates = build_predicates(self.workdir, variant)
+                if isinstance(predicates, SignError):
+                    raise predicates
+                record = self._sign(variant, client, predicates)
+            except KeyboardInterrupt:  # tools.Cancelled too: the rerun does this variant again
+                self._record(variant, self._base(variant, StageStatus.INTERRUPTED, reason="interrupted"))
+                raise
+            except (SignError, RegistryError) as exc:
+                record = self._base(variant, StageStatus.FAILED, reason=str(exc).strip().splitlines()[0][:500])
+                self._record(variant, record)
+                self.on_event("done", variant, f"failed: {record.reason}")
+                return SignOutcome(variant.id, image, digest, "failed", record)
+        self._record(variant, record)
+        self.on_event("done", variant, f"signed; {len(record.attestations)} attestations")
+        return SignOutcome(variant.id, image, digest, "signed", record)
+
+    def already_signed(self, earlier: SignStage, variant: VariantRecord, client: Registry) -> bool:
+        """Passed before for this digest and this key, and both the signature and the attestations are still there."""
+        if earlier.status != StageStatus.PASSED or earlier.digest != variant.digest:
+            return False
+        if earlier.key != self.options.key_reference or earlier.keyless != (self.options.keyless is not None):
+            return False
+        image, digest = variant.image or "", variant.digest or ""
+        if not signature_present(client, image, digest):
+            return False
+        wanted = {kind.predicate_type for kind in attest.KINDS}
+        return wanted <= attestation_types(client, image, digest)
+
+    def _sign(self, variant: VariantRecord, client: Registry, predicates: dict[str, dict[str, Any]]) -> SignStage:
+        image, digest = variant.image or "", variant.digest or ""
+        folder = self.workdir / "sign" / variant.id
+        paths = {}
+        for name, predicate in predicates.items():
+            path = folder / PREDICATE_FILES[name]
+            _write_atomic(path, predicate)
+            paths[name] = path
+        secrets = secret_values(self.options)
+
+        def cosign(argv: list[str], what: str) -> None:
+            result = self.cosign.run(argv, secrets=secrets, log=folder / f"cosign-{what}.log",
+                                     timeout=self.options.timeout_s)
+            if result.returncode != 0:
+                raise SignError(f"cosign {what} {image} failed (exit {result.returncode}): {_tail(result.output)}")
+
+        cosign(sign_argv(self.cosign.path, image, self.options), "sign")
+        if not signature_present(client, image, digest):
+            raise SignError(f"cosign sign exited 0, but {tag_ref(image, digest, 'sig')} holds no signature of {digest}")
+        for kind in attest.KINDS:
+            cosign(attest_argv(self.cosign.path, image, kind, paths[kind.name], self.options), f"attest-{kind.name}")
+        missing = {k.predicate_type for k in attest.KINDS} - attestation_types(client, image, digest)
+        if missing:
+            raise SignError(f"{tag_ref(image, digest, 'att')} lacks {', '.join(sorted(missing))} after cosign attest")
+        return self._base(
+            variant, StageStatus.PASSED, layout=LAYOUT_TAG, signature=tag_ref(image, digest, "sig"),
+            attestation_ref=tag_ref(image, digest, "att"), attestations=[k.record() for k in attest.KINDS],
+            predicates={name: str(path.relative_to(self.workdir)) for name, path in paths.items()},
+            signed_at=_now())
+
+
+def select_report(workdir: Path) -> tuple[Path, BuildReport]:
+    report_path = workdir / "build-report.json"
+    return report_path, BuildReport.read(report_path)

@@ -1,0 +1,575 @@
+"""imagebuild verify: cosign signatures and attestations, checked in-process against the trust config.
+
+The checks are cosign v2's for key-based signatures, done here with `cryptography` instead of
+one cosign run per image (the admission webhook verifies on every Pod):
+
+- the tag is resolved to its manifest digest (every time: a moved tag must never hit the cache);
+- `<repo>:sha256-<hex>.sig` holds one layer per signature: a simplesigning payload whose blob
+  must match its descriptor's digest, whose `dev.cosignproject.cosign/signature` annotation must
+  verify over the blob's bytes with one of the configured keys, and whose
+  `critical.image.docker-manifest-digest` must be the resolved digest (which is what defeats a
+  signature copied from another image, and a tag moved to another digest);
+- `<repo>:sha256-<hex>.att` holds one DSSE envelope per attestation: signed over
+  PAE(payloadType, payload) by one of the keys, an in-toto statement whose subject is this digest.
+
+Then the TrustConfig's requirements over the attestations (present, smoke and gate passed on this
+very digest, no unexcepted vulnerability at or above block_severity). The pure checks come first
+in this module; `Verifier` does the registry I/O and caches verdicts by digest for a TTL.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+from .attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from .oci_retry import QUICK_RETRIES
+from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
+from .source import InputError
+from .trust import PublicKey, Requirements, TrustConfig
+
+SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
+SIMPLESIGNING_TYPE = "cosign container image signature"
+DSSE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
+IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
+IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/Statement/v1")
+
+# The predicate types `imagebuild sign` attests, by the names the trust config's require.attestations uses.
+ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE}
+SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
+
+# What a registry may make us read: everything it serves is untrusted. SBOMs of the CUDA images
+# are the largest blobs (a few MB, a third more as base64 in the envelope).
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_SIGNATURE_BLOB_BYTES = 1 << 20
+MAX_ATTESTATION_BLOB_BYTES = 64 << 20
+MAX_LAYERS = 256
+
+
+class Refused(Exception):
+    """The image is refused; `reason` is the verdict's one line."""
+
+    def __init__(self, reason: str, key: str | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ImageVerdict:
+    image: str  # as asked (tag or digest ref)
+    digest: str | None  # resolved manifest digest, None when it could not be resolved
+    allowed: bool
+    reason: str  # one line: why refused, or what was verified
+    key: str | None = None  # name of the key that verified the signature
+    unreachable: bool = False  # the registry could not be reached (the webhook applies failure_policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- image references --------------------------------------------------------------------------
+
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY = re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
+
+
+def parse_image(text: str) -> ImageRef:
+    """A tag or digest reference, with Docker's defaults; ValueError saying what is wrong with it."""
+    if not text or len(text) > 1024 or text != text.strip():
+        raise ValueError("empty, over 1024 characters, or padded with spaces")
+    ref = ImageRef.parse(text)
+    if not _HOST.fullmatch(ref.registry):
+        raise ValueError(f"registry '{ref.registry}' is not a host[:port]")
+    if not _REPOSITORY.fullmatch(ref.repository) or len(ref.repository) > 255:
+        raise ValueError(f"repository '{ref.repository}' is not lowercase path components")
+    if ref.tag is not None and not _TAG.fullmatch(ref.tag):
+        raise ValueError(f"tag '{ref.tag}' is not a valid tag")
+    if ref.digest is not None and not _DIGEST.fullmatch(ref.digest):
+        raise ValueError(f"digest '{ref.digest}' is not sha256:<64 hex digits>")
+    return ref
+
+
+def signature_tag(digest: str, suffix: str) -> str:
+    """cosign's tag scheme: sha256:<hex> -> sha256-<hex>.sig (or .att)."""
+    return digest.replace(":", "-", 1) + suffix
+
+
+# --- keys and signatures -----------------------------------------------------------------------
+
+VerificationKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
+
+# cosign's default hash is SHA-256 whatever the curve; newer sigstore code picks the curve's own.
+_EC_HASHES: dict[str, tuple[type[hashes.HashAlgorithm], ...]] = {
+    "secp256r1": (hashes.SHA256,),
+    "secp384r1": (hashes.SHA384, hashes.SHA256),
+    "secp521r1": (hashes.SHA512, hashes.SHA256),
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    public_key: VerificationKey
+
+
+def load_key(key: PublicKey) -> Key:
+    """A configured PEM public key; InputError (naming where it came from) when it is not one we verify with."""
+    try:
+        loaded = serialization.load_pem_public_key(key.pem.encode())
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise InputError(key.source, None, f"keys: {key.name}", f"not a PEM public key ({exc})") from None
+    if isinstance(loaded, ec.EllipticCurvePublicKey) and loaded.curve.name in _EC_HASHES:
+        return Key(key.name, loaded)
+    if isinstance(loaded, (ed25519.Ed25519PublicKey, rsa.RSAPublicKey)):
+        return Key(key.name, loaded)
+    raise InputError(key.source, None, f"keys: {key.name}",
+                     "unsupported key type (ECDSA P-256/P-384/P-521, Ed25519 or RSA)")
+
+
+def signature_verifies(key: VerificationKey, signature: bytes, message: bytes) -> bool:
+    try:
+        if isinstance(key, ec.EllipticCurvePublicKey):
+            for algorithm in _EC_HASHES[key.curve.name]:
+                try:
+                    key.verify(signature, message, ec.ECDSA(algorithm()))
+                    return True
+                except InvalidSignature:
+                    continue
+            return False
+        if isinstance(key, ed25519.Ed25519PublicKey):
+            key.verify(signature, message)
+            return True
+        try:
+            key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+        except InvalidSignature:
+            key.verify(signature, message, padding.PSS(padding.MGF1(hashes.SHA256()), padding.PSS.AUTO),
+                       hashes.SHA256())
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def key_that_signed(keys: Iterable[Key], signature: bytes, message: bytes) -> Key | None:
+    """The first configured key the signature verifies with (any one suffices: key rotation)."""
+    return next((key for key in keys if signature_verifies(key.public_key, signature, message)), None)
+
+
+def decode_base64(text: object) -> bytes:
+    """Standard or URL-safe base64 (DSSE allows either); ValueError otherwise."""
+    if not isinstance(text, str):
+        raise ValueError("not a base64 string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error:
+        try:
+            return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        except binascii.Error as exc:
+            raise ValueError(f"not base64 ({exc})") from None
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding: what an envelope's signature is over."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
+
+
+def check_blob(descriptor: Mapping[str, Any], blob: bytes) -> None:
+    """The blob is the one the (signed-for) manifest names: its sha256 and size match the descriptor."""
+    actual = "sha256:" + hashlib.sha256(blob).hexdigest()
+    if descriptor.get("digest") != actual:
+        raise Refused(f"blob {descriptor.get('digest')} does not match its content ({actual})")
+    if "size" in descriptor and descriptor["size"] != len(blob):
+        raise Refused(f"blob {actual} is {len(blob)} bytes, its descriptor says {descriptor['size']}")
+
+
+def check_simple_signing(payload: bytes, digest: str) -> None:
+    """cosign's claim check: the signed payload names this very manifest digest."""
+    try:
+        document = json.loads(payload)
+        critical = document["critical"]
+        signed_digest = critical["image"]["docker-manifest-digest"]
+        kind = critical["type"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise Refused("signature payload is not a cosign simplesigning document") from None
+    if kind != SIMPLESIGNING_TYPE:
+        raise Refused(f"signature payload has type '{kind}', not '{SIMPLESIGNING_TYPE}'")
+    if signed_digest != digest:
+        raise Refused(f"the signature is for {signed_digest}, not this image's digest {digest} "
+                      "(copied from another image, or the tag moved)")
+
+
+@dataclass(frozen=True)
+class Attestation:
+    predicate_type: str
+    predicate: Any
+    key: str  # the key the envelope verified with
+
+
+def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
+    """A DSSE envelope signed by one of the keys, holding an in-toto statement about this digest."""
+    try:
+        envelope = json.loads(blob)
+        payload_type = envelope["payloadType"]
+        payload = decode_base64(envelope["payload"])
+        signatures = [decode_base64(entry["sig"]) for entry in envelope["signatures"]]
+        if not isinstance(payload_type, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise Refused("an attestation layer is not a DSSE envelope") from None
+    message = pae(payload_type, payload)
+    key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
+    if key is None:
+        raise Refused("an attestation is not signed by any configured key")
+    if payload_type != IN_TOTO_PAYLOAD_TYPE:
+        raise Refused(f"an attestation has payloadType '{payload_type}', not in-toto")
+    try:
+        statement = json.loads(payload)
+        statement_type = statement["_type"]
+        predicate_type = statement["predicateType"]
+        subjects = [subject["digest"] for subject in statement["subject"]]
+        predicate = statement.get("predicate")
+        if not isinstance(predicate_type, str) or not all(isinstance(s, dict) for s in subjects):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise Refused("an attestation's payload is not an in-toto statement") from None
+    if statement_type not in IN_TOTO_STATEMENTS:
+        raise Refused(f"an attestation's statement type '{statement_type}' is not in-toto's")
+    algorithm, _, hex_digest = digest.partition(":")
+    if not any(subject.get(algorithm) == hex_digest for subject in subjects):
+        named = ", ".join(f"{a}:{h}" for s in subjects for a, h in s.items()) or "nothing"
+        raise Refused(f"the {kind_name(predicate_type)} attestation is about {named}, not {digest}", key.name)
+    return Attestation(predicate_type, predicate, key.name)
+
+
+def kind_name(predicate_type: str) -> str:
+    return next((name for name, uri in ATTESTATION_TYPES.items() if uri == predicate_type), predicate_type)
+
+
+# --- the policy over the attestations (pure) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    vulnerability: str
+    package: str
+    severity: str
+
+
+def severity_rank(severity: object) -> int:
+    text = str(severity).upper()
+    return SEVERITIES.index(text) if text in SEVERITIES else 0
+
+
+def vulnerabilities(vuln_predicate: Any) -> list[Finding]:
+    """Every vulnerability of cosign's vuln predicate (scanner.result is a Trivy JSON report)."""
+    try:
+        results = vuln_predicate["scanner"]["result"].get("Results") or []
+        found = []
+        for result in results:
+            for entry in result.get("Vulnerabilities") or []:
+                found.append(Finding(str(entry["VulnerabilityID"]), str(entry.get("PkgName", "")),
+                                     str(entry.get("Severity", "UNKNOWN")).upper()))
+        return found
+    except (KeyError, TypeError, AttributeError):
+        raise Refused("the vuln attestation's predicate is not cosign's vuln shape with a Trivy report") from None
+
+
+def is_excepted(finding: Finding, exceptions: Any, today: dt.date) -> bool:
+    """Excepted by an unexpired gate exception for its id (and package, when the exception names one)."""
+    for exception in exceptions if isinstance(exceptions, list) else []:
+        if not isinstance(exception, dict) or exception.get("id") != finding.vulnerability:
+            continue
+        if exception.get("package") and exception["package"] != finding.package:
+            continue
+        try:
+            if exception.get("expires") and dt.date.fromisoformat(str(exception["expires"])) < today:
+                continue
+        except ValueError:
+            continue
+        return True
+    return False
+
+
+def blocking_findings(vuln_predicate: Any, exceptions: Any, block_severity: str, today: dt.date) -> list[Finding]:
+    threshold = severity_rank(block_severity)
+    return [f for f in vulnerabilities(vuln_predicate)
+            if severity_rank(f.severity) >= threshold and not is_excepted(f, exceptions, today)]
+
+
+def _predicate_field(attestation: Attestation, field: str) -> Any:
+    return attestation.predicate.get(field) if isinstance(attestation.predicate, dict) else None
+
+
+def requirement_failures(require: Requirements, attestations: Mapping[str, Attestation], digest: str,
+                         today: dt.date) -> list[str]:
+    """Why the attestations (by predicate type, each already verified) do not satisfy the requirements."""
+    failures = []
+    missing = [kind for kind in require.attestations if ATTESTATION_TYPES.get(kind, kind) not in attestations]
+    if missing:
+        failures.append(f"attestations missing: {', '.join(missing)}")
+    smoke = attestations.get(ATTESTATION_TYPES["smoke"])
+    gate = attestations.get(ATTESTATION_TYPES["gate"])
+    for wanted, name, attestation, field, good in (
+            (require.smoke_passed, "smoke", smoke, "status", "passed"),
+            (require.gate_passed, "gate", gate, "decision", "passed")):
+        if not wanted:
+            continue
+        if attestation is None:
+            if name not in missing:
+                failures.append(f"no {name} attestation")
+        elif _predicate_field(attestation, "digest") != digest:
+            failures.append(f"the {name} attestation's results are for {_predicate_field(attestation, 'digest')}, "
+                            f"not {digest}")
+        elif _predicate_field(attestation, field) != good:
+            failures.append(f"the {name} attestation says {field} {_predicate_field(attestation, field)}")
+    if require.block_severity:
+        vuln = attestations.get(ATTESTATION_TYPES["vuln"])
+        if vuln is None:
+            if "vuln" not in missing:
+                failures.append(f"no vuln attestation to check block_severity {require.block_severity} against")
+        else:
+            # Only the gate's decision for this very digest can excuse a finding.
+            exceptions = (_predicate_field(gate, "exceptions_applied")
+                          if gate is not None and _predicate_field(gate, "digest") == digest else [])
+            try:
+                blocking = blocking_findings(vuln.predicate, exceptions, require.block_severity, today)
+            except Refused as refused:
+                blocking, failures = [], [*failures, refused.reason]
+            if blocking:
+                named = ", ".join(f"{f.vulnerability} ({f.package}, {f.severity})" for f in blocking[:3])
+                more = f" and {len(blocking) - 3} more" if len(blocking) > 3 else ""
+                failures.append(f"unexcepted vulnerabilities at or above {require.block_severity.upper()} "
+                                f"in the vuln attestation: {named}{more}")
+    return failures
+
+
+def needs_attestations(require: Requirements) -> bool:
+    return bool(require.attestations or require.smoke_passed or require.gate_passed or require.block_severity)
+
+
+# --- the verifier (registry I/O, cache) --------------------------------------------------------
+
+
+class Verifier:
+    """Verifies images against one TrustConfig. Thread-safe: the webhook calls it from many threads.
+
+    Verdicts are cached per repository and digest for the TTL (refusals too, so a flood of Pods
+    with an unsigned image costs one registry round); a verdict for an unreachable registry is
+    not cached. Tags are resolved on every call.
+    """
+
+    def __init__(self, config: TrustConfig, *, check_attestations: bool = True,
+                 cache_ttl_seconds: float | None = None, timeout_s: float = 10.0):
+        self.config = config
+        self.keys = tuple(load_key(key) for key in config.keys)
+        self.check_attestations = check_attestations and needs_attestations(config.require)
+        self.ttl = float(config.cache_ttl_seconds if cache_ttl_seconds is None else cache_ttl_seconds)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._registries: dict[str, Registry] = {}
+        self._cache: dict[tuple[str, str], tuple[float, ImageVerdict]] = {}
+        self._in_flight: dict[tuple[str, str], Future[ImageVerdict]] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            registries, self._registries = list(self._registries.values()), {}
+        for registry in registries:
+            registry.close()
+
+    def __enter__(self) -> Verifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def verify_many(self, images: Iterable[str], concurrency: int = 8) -> list[ImageVerdict]:
+        images = list(images)
+        if len(images) <= 1:
+            return [self.verify(image) for image in images]
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(images))) as pool:
+            return list(pool.map(self.verify, images))
+
+    def verify(self, image: str) -> ImageVerdict:
+        try:
+            ref = parse_image(image)
+        except ValueError as exc:
+            return ImageVerdict(image, None, False, f"not an image reference: {exc}")
+        repository = f"{ref.registry}/{ref.repository}"
+        # Docker Hub goes by docker.io in policies and Pod specs; ImageRef names its API host.
+        names = [repository, f"docker.io/{ref.repository}"] if ref.registry == DOCKER_HUB else [repository]
+        if not any(self.config.covers(name) for name in names):
+            return ImageVerdict(image, ref.digest, False,
+                                f"not covered by the policy: {repository} matches none of its images "
+                                f"({', '.join(self.config.images)})")
+        registry = self._registry(ref.registry)
+        try:
+            digest = ref.digest or self._resolve(registry, ref)
+        except RegistryUnreachable as exc:
+            return ImageVerdict(image, None, False, f"registry unreachable: {exc}", unreachable=True)
+        except RegistryError as exc:
+            return ImageVerdict(image, None, False, f"cannot resolve the tag: {exc}")
+        if not digest or not _DIGEST.fullmatch(digest):
+            reason = f"tag {ref.reference} not found" if not digest else f"registry gave digest '{digest[:80]}'"
+            return ImageVerdict(image, None, False, f"{reason} in {repository}")
+        return replace(self._verdict_for(registry, ref.repository, digest), image=image)
+
+    @staticmethod
+    def _resolve(registry: Registry, ref: ImageRef) -> str | None:
+        """The tag's manifest digest: HEAD's Docker-Content-Digest, else the sha256 of the manifest GET returns."""
+        digest = registry.head_manifest(ref.repository, ref.reference)
+        if digest:
+            return digest
+        found = registry.find_manifest(ref.repository, ref.reference)
+        return None if found is None else "sha256:" + hashlib.sha256(found[0]).hexdigest()
+
+    def _registry(self, host: str) -> Registry:
+        with self._lock:
+            if host not in self._registries:
+                self._registries[host] = Registry(host, timeout=self.timeout_s, retry=QUICK_RETRIES)
+            return self._registries[host]
+
+    def _verdict_for(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
+        """The cached verdict, or the one a concurrent caller is computing, or a fresh one."""
+        cache_key = (f"{registry.registry}/{repository}", digest)
+        with self._lock:
+            hit = self._cache.get(cache_key)
+            if hit is not None and hit[0] > time.monotonic():
+                return hit[1]
+            pending = self._in_flight.get(cache_key)
+            if pending is None:
+                future: Future[ImageVerdict] = Future()
+                self._in_flight[cache_key] = future
+        if pending is not None:
+            return pending.result()
+        verdict: ImageVerdict | None = None
+        try:
+            verdict = self._verify_digest(registry, repository, digest)
+            future.set_result(verdict)
+            return verdict
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._in_flight[cache_key]
+                if verdict is not None and not verdict.unreachable and self.ttl > 0:
+                    now = time.monotonic()
+                    if len(self._cache) >= 10_000:
+                        self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+                    self._cache[cache_key] = (now + self.ttl, verdict)
+
+    def _verify_digest(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
+        image = f"{registry.registry}/{repository}@{digest}"
+        key: Key | None = None
+        try:
+            key = self._check_signature(registry, repository, digest)
+            summary = f"signed by {key.name}"
+            if self.check_attestations:
+                attestations, rejected = self._attestations(registry, repository, digest)
+                failures = requirement_failures(self.config.require, attestations, digest,
+                                                dt.datetime.now(dt.timezone.utc).date())
+                if failures:
+                    if rejected:
+                        failures.append(f"rejected: {'; '.join(dict.fromkeys(rejected))}")
+                    raise Refused("; ".join(failures))
+                kinds = [kind_name(t) for t in attestations]
+                summary += f"; {len(kinds)} attestations ({', '.join(kinds)})"
+            return ImageVerdict(image, digest, True, summary, key=key.name)
+        except Refused as refused:
+            return ImageVerdict(image, digest, False, refused.reason, key=key.name if key else refused.key)
+        except RegistryUnreachable as exc:
+            return ImageVerdict(image, digest, False, f"registry unreachable: {exc}", unreachable=True)
+        except RegistryError as exc:
+            return ImageVerdict(image, digest, False, f"registry: {exc}")
+
+    def _layers(self, registry: Registry, repository: str, tag: str) -> list[dict[str, Any]] | None:
+        found = registry.find_manifest(repository, tag)
+        if found is None:
+            return None
+        raw = found[0]
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise Refused(f"{tag}: manifest over {MAX_MANIFEST_BYTES} bytes")
+        try:
+            layers = json.loads(raw).get("layers") or []
+            if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+                raise TypeError
+        except (ValueError, TypeError, AttributeError, RecursionError):  # JSON nested past the parser: hostile
+            raise Refused(f"{tag} is not an image manifest") from None
+        if len(layers) > MAX_LAYERS:
+            raise Refused(f"{tag} has {len(layers)} layers, over {MAX_LAYERS}")
+        return layers
+
+    def _blob(self, registry: Registry, repository: str, descriptor: Mapping[str, Any], limit: int) -> bytes:
+        digest, size = descriptor.get("digest"), descriptor.get("size")
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise Refused(f"a layer descriptor names '{str(digest)[:80]}', not a sha256 digest")
+        if isinstance(size, int) and size > limit:
+            raise Refused(f"blob {digest} is {size} bytes, over {limit}")
+        blob = registry.get_blob_limited(repository, digest, limit)
+        check_blob(descriptor, blob)
+        return blob
+
+    def _check_signature(self, registry: Registry, repository: str, digest: str) -> Key:
+        tag = signature_tag(digest, ".sig")
+        layers = self._layers(registry, repository, tag)
+        if layers is None:
+            raise Refused(f"not signed: no signature {registry.registry}/{repository}:{tag}")
+        failures: list[str] = []
+        for layer in layers:
+            annotation = (layer.get("annotations") or {}).get(SIGNATURE_ANNOTATION)
+            if not annotation:
+                continue
+            try:
+                signature = decode_base64(annotation)
+                payload = self._blob(registry, repository, layer, MAX_SIGNATURE_BLOB_BYTES)
+                key = key_that_signed(self.keys, signature, payload)
+                if key is None:
+                    raise Refused("the signature does not verify with any configured key "
+                                  f"({', '.join(k.name for k in self.keys)})")
+                check_simple_signing(payload, digest)
+                return key
+            except (Refused, ValueError) as exc:
+                failures.append(exc.reason if isinstance(exc, Refused) else f"signature annotation: {exc}")
+        if not failures:
+            raise Refused(f"not signed: {registry.registry}/{repository}:{tag} holds no signature")
+        # A signature made by our key for another digest says more than one from a stranger's key.
+        failures.sort(key=lambda reason: "not this image's digest" not in reason)
+        more = f" (and {len(failures) - 1} other signatures refused)" if len(failures) > 1 else ""
+        raise Refused(failures[0] + more)
+
+    def _attestations(self, registry: Registry, repository: str,
+                      digest: str) -> tuple[dict[str, Attestation], list[str]]:
+        """The verified attestations by predicate type (a later layer, attested later, replaces an
+        earlier one of its type), and why the others were rejected."""
+        layers = self._layers(registry, repository, signature_tag(digest, ".att")) or []
+        found: dict[str, Attestation] = {}
+        rejected: list[str] = []
+        for layer in layers:
+            if layer.get("mediaType") != DSSE_MEDIA_TYPE:
+                continue
+            try:
+                blob = self._blob(registry, repository, layer, MAX_ATTESTATION_BLOB_BYTES)
+                attestation = open_envelope(blob, self.keys, digest)
+            except Refused as refused:
+                rejected.append(refused.reason)
+                continue
+            found.pop(attestation.predicate_type, None)
+            found[attestation.predicate_type] = attestation
+        return found, rejected

@@ -1,0 +1,566 @@
+"""`imagebuild admission serve`, started for real over TLS, answering real AdmissionReview v1 requests.
+
+Nothing is mocked: the images are pushed to the local registries with crane, signed with the
+real cosign and the bootstrap's key (or a key made here), and judged by the real Verifier in
+the webhook process. The test CA and the server certificate are made here with `cryptography`,
+and the client trusts only that CA.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import ipaddress
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .conftest import REPO
+
+COSIGN = Path("/opt/imagebuild-tools/bin/cosign")
+CRANE = Path("/opt/imagebuild-tools/bin/crane")
+KEYS = Path("/var/lib/imagebuild/keys")
+STAGING = "127.0.0.1:5000"
+OUTSIDE = "127.0.0.1:5001"  # a real registry the test policy does not cover
+PREFIX = f"{STAGING}/admission-e2e"
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+UNREACHABLE = f"127.0.0.1:{closed_port()}"
+
+
+# --- TLS: a CA of the test's own and a certificate for 127.0.0.1 ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _certificate(subject: str, key, issuer_name: str, issuer_key, *, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = (builder
+                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                  critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    else:
+        builder = builder.add_extension(
+            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False, key_agreement=False,
+                          encipher_only=False, decipher_only=False), critical=True)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> Tls:
+    directory = tmp_path_factory.mktemp("admission-tls")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = _certificate("imagebuild test CA", ca_key, "imagebuild test CA", ca_key, ca=True)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = _certificate("imagebuild-admission", server_key, "imagebuild test CA", ca_key, ca=False)
+    paths = Tls(directory / "ca.pem", directory / "tls.crt", directory / "tls.key")
+    paths.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    paths.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    paths.key.write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))
+    paths.key.chmod(0o600)
+    return paths
+
+
+# --- images: tiny ones, pushed with crane and signed with cosign ----------------------------------------------
+
+
+def _tool(path: Path) -> str:
+    if not path.exists():
+        pytest.fail(f"{path} is missing; run scripts/bootstrap.sh", pytrace=False)
+    return str(path)
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 120) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{' '.join(args[:3])} failed: {proc.stderr[-2000:]}"
+    return proc.stdout.strip()
+
+
+@dataclass
+class Registry:
+    """Pushes small distinct images and signs them, as the pipeline would, with the real tools."""
+
+    workdir: Path
+    password: str
+    other_key: Path | None = None
+    pushed: list[str] = field(default_factory=list)
+
+    def push(self, repository: str, tag: str = "t") -> str:
+        """A one-file image of its own at repository:tag; returns repository@digest."""
+        layer = self.workdir / f"{uuid.uuid4().hex}.tar"
+        content = uuid.uuid4().hex.encode()
+        with tarfile.open(layer, "w") as tar:
+            info = tarfile.TarInfo(f"hello-{content.decode()}.txt")
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+        _run(_tool(CRANE), "append", "-f", str(layer), "-t", f"{repository}:{tag}")
+        digest = _run(_tool(CRANE), "digest", f"{repository}:{tag}")
+        return f"{repository}@{digest}"
+
+    def sign(self, reference: str, key: Path = KEYS / "cosign.key") -> None:
+        _run(_tool(COSIGN), "sign", "--key", str(key), "--tlog-upload=false", "--allow-http-registry",
+             "--allow-insecure-registry", "--yes", reference, env={"COSIGN_PASSWORD": self.password})
+
+    def tag(self, by_digest: str, tag: str) -> None:
+        """Point repository:tag at this digest (a tag moved after signing)."""
+        _run(_tool(CRANE), "tag", by_digest, tag)
+
+    def another_key(self) -> Path:
+        if self.other_key is None:
+            directory = self.workdir / "other-key"
+            directory.mkdir()
+            proc = subprocess.run([_tool(COSIGN), "generate-key-pair", "--output-key-prefix", str(directory / "other")],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**os.environ, "COSIGN_PASSWORD": self.password})
+            assert proc.returncode == 0, proc.stderr
+            self.other_key = directory / "other.key"
+        return self.other_key
+
+
+def unique_repository(registry: str = STAGING) -> str:
+    return f"{registry}/admission-e2e/r{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def registry(staging_registry, tmp_path_factory) -> Registry:
+    for host in (STAGING, OUTSIDE):
+        try:
+            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
+        except httpx.HTTPError as exc:
+            pytest.fail(f"the registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    password_file = KEYS / "cosign.password"
+    if not password_file.exists():
+        pytest.fail(f"{password_file} is missing; run scripts/bootstrap.sh", pytrace=False)
+    return Registry(tmp_path_factory.mktemp("admission-images"), password_file.read_text().strip())
+
+
+@dataclass(frozen=True)
+class Images:
+    signed: str  # by digest, signed with the trusted key
+    signed_too: str  # another one
+    unsigned: str  # by digest, never signed
+    other_key: str  # by digest, signed with a key the policy does not list
+    moved_tag: str  # a tag that was moved from a signed digest to an unsigned one
+    outside: str  # signed with the trusted key, in a registry the policy does not cover
+
+
+@pytest.fixture(scope="module")
+def images(registry) -> Images:
+    signed = registry.push(unique_repository())
+    registry.sign(signed)
+    signed_too = registry.push(unique_repository())
+    registry.sign(signed_too)
+    unsigned = registry.push(unique_repository())
+    other_key = registry.push(unique_repository())
+    registry.sign(other_key, registry.another_key())
+    moving = unique_repository()
+    first = registry.push(moving, "release")
+    registry.sign(first)
+    registry.push(moving, "release")  # the same tag, now on a new digest nobody signed
+    outside = registry.push(unique_repository(OUTSIDE))
+    registry.sign(outside)
+    return Images(signed, signed_too, unsigned, other_key, f"{moving}:release", outside)
+
+
+# --- the webhook, for real -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Webhook:
+    process: subprocess.Popen
+    url: str
+    client: httpx.Client
+    log_path: Path
+
+    def review(self, document: dict) -> dict:
+        reply = self.post(json.dumps(document).encode())
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert (answer["apiVersion"], answer["kind"]) == ("admission.k8s.io/v1", "AdmissionReview")
+        assert answer["response"]["uid"] == document["request"]["uid"]
+        return answer["response"]
+
+    def post(self, body: bytes, **kwargs) -> httpx.Response:
+        return self.client.post(f"{self.url}/validate", content=body,
+                                headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+
+    def decisions(self) -> list[dict]:
+        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+        return [line for line in lines if line.get("event") == "decision"]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.client.close()
+        return self.process.returncode
+
+
+def trust_file(directory: Path, *, mode: str = "enforce", failure_policy: str = "fail", ttl: int = 60) -> Path:
+    path = directory / f"trust-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(
+        f"mode: {mode}\n"
+        f"keys:\n  - name: imagebuild-local\n    path: {KEYS / 'cosign.pub'}\n"
+        f'images:\n  - "{PREFIX}/**"\n  - "{UNREACHABLE}/admission-e2e/**"\n'
+        f"require:\n  attestations: []\n"
+        f"failure_policy: {failure_policy}\n"
+        f"cache_ttl_seconds: {ttl}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def start_webhook(tls, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("admission-webhook")
+    started: list[Webhook] = []
+
+    def start(**config) -> Webhook:
+        port = closed_port()
+        log_path = directory / f"webhook-{port}.log"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),
+             "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
+        webhook = Webhook(process, f"https://127.0.0.1:{port}", httpx.Client(verify=ssl.create_default_context(cafile=str(tls.ca)), timeout=30),
+                          log_path)
+        started.append(webhook)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"the webhook exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                if webhook.client.get(f"{webhook.url}/readyz").status_code == 200:
+                    return webhook
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"the webhook did not become ready in 30 s: {log_path.read_text()[-2000:]}")
+
+    yield start
+    for webhook in started:
+        webhook.stop()
+
+
+@pytest.fixture(scope="module")
+def webhook(start_webhook) -> Webhook:
+    """Enforce mode, failure policy fail: the production setting."""
+    return start_webhook()
+
+
+# --- AdmissionReview requests, as the API server sends them -------------------------------------------------
+
+
+def review_of(kind: str, obj: dict, *, group: str = "", operation: str = "CREATE", sub_resource: str | None = None):
+    request = {"uid": str(uuid.uuid4()), "kind": {"group": group, "version": "v1", "kind": kind},
+               "resource": {"group": group, "version": "v1", "resource": kind.lower() + "s"},
+               "requestKind": {"group": group, "version": "v1", "kind": kind},
+               "name": obj["metadata"]["name"], "namespace": "team-a", "operation": operation,
+               "userInfo": {"username": "system:serviceaccount:team-a:deployer"},
+               "object": obj, "oldObject": None, "dryRun": False,
+               "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}}
+    if sub_resource:
+        request["subResource"] = sub_resource
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+
+
+def pod_spec(containers, init=(), ephemeral=()) -> dict:
+    spec: dict = {"containers": [{"name": n, "image": i} for n, i in containers]}
+    if init:
+        spec["initContainers"] = [{"name": n, "image": i} for n, i in init]
+    if ephemeral:
+        spec["ephemeralContainers"] = [{"name": n, "image": i, "targetContainerName": containers[0][0]}
+                                       for n, i in ephemeral]
+    return spec
+
+
+def pod(*containers, init=(), ephemeral=(), **kw) -> dict:
+    obj = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "team-a"},
+           "spec": pod_spec(containers, init, ephemeral)}
+    return review_of("Pod", obj, **kw)
+
+
+def deployment(*containers) -> dict:
+    obj = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "team-a"},
+           "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                    "template": {"metadata": {"labels": {"app": "web"}}, "spec": pod_spec(containers)}}}
+    return review_of("Deployment", obj, group="apps")
+
+
+def cronjob(*containers) -> dict:
+    obj = {"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "nightly", "namespace": "team-a"},
+           "spec": {"schedule": "0 3 * * *", "jobTemplate": {"spec": {"template": {
+               "spec": {**pod_spec(containers), "restartPolicy": "OnFailure"}}}}}}
+    return review_of("CronJob", obj, group="batch")
+
+
+def denial(response: dict) -> str:
+    assert response["allowed"] is False, response
+    return response["status"]["message"]
+
+
+# --- allowed and refused images ------------------------------------------------------------------------------
+
+
+def test_a_pod_with_a_signed_image_by_digest_is_allowed(webhook, images):
+    response = webhook.review(pod(("app", images.signed)))
+    assert response["allowed"] is True, response
+    assert "warnings" not in response
+
+
+def test_an_unsigned_image_is_denied_and_named(webhook, images):
+    message = denial(webhook.review(pod(("app", images.unsigned))))
+    assert message.startswith(f'imagebuild refused 1 of 1 image: container "app" image {images.unsigned}: not signed')
+
+
+def test_an_image_signed_with_another_key_is_denied(webhook, images):
+    message = denial(webhook.review(pod(("app", images.other_key))))
+    assert f'container "app" image {images.other_key}: the signature does not verify with any configured key' in message
+
+
+def test_a_tag_moved_to_an_unsigned_digest_is_denied(webhook, images):
+    message = denial(webhook.review(pod(("app", images.moved_tag))))
+    assert f'container "app" image {images.moved_tag}: not signed' in message
+
+
+def test_an_image_from_a_registry_outside_the_policy_is_denied_though_signed(webhook, images):
+    message = denial(webhook.review(pod(("app", images.outside))))
+    assert f'container "app" image {images.outside}: not covered by the policy' in message
+
+
+def test_a_multi_container_pod_with_one_bad_image_is_denied_naming_only_that_one(webhook, images):
+    response = webhook.review(pod(("app", images.signed), ("proxy", images.signed_too), ("metrics", images.unsigned)))
+    message = denial(response)
+    assert message.startswith(f'imagebuild refused 1 of 3 images: container "metrics" image {images.unsigned}: ')
+    assert images.signed not in message and images.signed_too not in message
+
+
+def test_a_multi_container_pod_with_only_signed_images_is_allowed(webhook, images):
+    response = webhook.review(pod(("app", images.signed), ("proxy", images.signed_too), init=[("setup", images.signed)]))
+    assert response["allowed"] is True, response
+
+
+def test_an_unsigned_init_container_denies_the_pod(webhook, images):
+    message = denial(webhook.review(pod(("app", images.signed), init=[("setup", images.unsigned)])))
+    assert f'initContainer "setup" image {images.unsigned}: ' in message
+
+
+def test_an_unsigned_ephemeral_container_is_denied(webhook, images):
+    review = pod(("app", images.signed), ephemeral=[("debugger", images.unsigned)], operation="UPDATE",
+                 sub_resource="ephemeralcontainers")
+    message = denial(webhook.review(review))
+    assert f'ephemeralContainer "debugger" image {images.unsigned}: ' in message
+
+
+def test_a_deployment_is_judged_by_its_pod_template(webhook, images):
+    assert webhook.review(deployment(("app", images.signed)))["allowed"] is True
+    message = denial(webhook.review(deployment(("app", images.signed), ("sidecar", images.other_key))))
+    assert f'container "sidecar" image {images.other_key}: ' in message
+
+
+def test_a_cronjob_is_judged_by_its_job_template(webhook, images):
+    assert webhook.review(cronjob(("run", images.signed)))["allowed"] is True
+    message = denial(webhook.review(cronjob(("run", images.unsigned))))
+    assert f'container "run" image {images.unsigned}: ' in message
+
+
+# --- warn mode and the failure policy ------------------------------------------------------------------------
+
+
+def test_warn_mode_admits_an_unsigned_image_with_a_warning_that_names_it(start_webhook, images):
+    warn = start_webhook(mode="warn")
+    response = warn.review(pod(("app", images.signed), ("sidecar", images.unsigned)))
+    assert response["allowed"] is True
+    assert len(response["warnings"]) == 1
+    assert response["warnings"][0].startswith(f'container "sidecar" image {images.unsigned}: ')
+    assert response["warnings"][0].endswith("(admitted: mode is warn)")
+
+
+def test_an_unreachable_registry_denies_under_failure_policy_fail(webhook):
+    image = f"{UNREACHABLE}/admission-e2e/app:1"
+    message = denial(webhook.review(pod(("app", image))))
+    assert f'container "app" image {image}: registry unreachable: {UNREACHABLE}' in message
+
+
+def test_an_unreachable_registry_admits_with_a_warning_under_failure_policy_ignore(start_webhook, images):
+    ignore = start_webhook(failure_policy="ignore")
+    image = f"{UNREACHABLE}/admission-e2e/app:1"
+    response = ignore.review(pod(("app", image)))
+    assert response["allowed"] is True, response
+    assert response["warnings"][0].startswith(f'container "app" image {image}: registry unreachable')
+    assert response["warnings"][0].endswith("(admitted: failure_policy is ignore)")
+    # Failing open is for an unreachable registry only: a reachable one's refusal still stands.
+    assert ignore.review(pod(("app", images.unsigned)))["allowed"] is False
+
+
+# --- the cache ----------------------------------------------------------------------------------------------
+
+
+def test_a_verdict_is_served_from_the_cache_until_its_ttl_runs_out(start_webhook, registry):
+    """The signature is clobbered after the first request: within the TTL the cached verdict stands, after it
+    the image is verified again and refused."""
+    ttl = 5
+    repository = unique_repository()
+    image = registry.push(repository)
+    registry.sign(image)
+    unrelated = registry.push(repository, "unrelated")
+    hook = start_webhook(ttl=ttl)
+    assert hook.review(pod(("app", image)))["allowed"] is True
+    cached_at = time.monotonic()
+    registry.tag(unrelated, "sha256-" + image.split("@sha256:")[1] + ".sig")  # the signature tag, overwritten
+    assert hook.review(pod(("app", image)))["allowed"] is True, "not served from the cache"
+    assert time.monotonic() - cached_at < ttl, "too slow to tell the cache from a fresh check"
+    time.sleep(max(0.0, cached_at + ttl + 0.5 - time.monotonic()))
+    message = denial(hook.review(pod(("app", image))))
+    assert f'container "app" image {image}: not signed' in message
+
+
+def test_a_moved_tag_is_resolved_again_at_once_despite_the_cache(webhook, registry):
+    repository = unique_repository()
+    signed = registry.push(repository, "v1")
+    registry.sign(signed)
+    tagged = f"{repository}:v1"
+    assert webhook.review(pod(("app", tagged)))["allowed"] is True
+    registry.push(repository, "v1")  # v1 now names a new, unsigned digest
+    message = denial(webhook.review(pod(("app", tagged))))
+    assert f'container "app" image {tagged}: ' in message
+
+
+# --- untrusted bodies, logs, shutdown ------------------------------------------------------------------------
+
+
+MALFORMED_WITHOUT_UID = [b"", b"not json", b"[]", b'{"request": {}}', b"\xff\xfe\x00", b"[" * 200_000,
+                         b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": 7}}']
+
+
+@pytest.mark.parametrize("body", MALFORMED_WITHOUT_UID, ids=lambda b: repr(b[:30]))
+def test_a_body_nobody_can_be_answered_for_gets_http_400_with_the_reason(webhook, body):
+    reply = webhook.post(body)
+    assert reply.status_code == 400
+    assert reply.json()["error"].startswith("imagebuild: malformed AdmissionReview: ")
+
+
+def test_a_malformed_review_with_a_uid_is_denied_with_a_clear_message(webhook, images):
+    review = pod(("app", images.signed))
+    review["request"]["object"]["spec"]["containers"] = "app"
+    message = denial(webhook.review(review))
+    assert message == "imagebuild: malformed AdmissionReview: request.object.spec.containers: not a list"
+
+
+def test_hostile_requests_leave_the_server_answering(webhook, images, tls):
+    huge = webhook.post(b"{" + b" " * (4 * 1024 * 1024) + b"}")
+    assert huge.status_code == 413
+    chunked = webhook.post(iter([b'{"apiVersion": ', b'"admission.k8s.io/v1"}']))
+    assert chunked.status_code == 411
+    assert webhook.client.get(f"{webhook.url}/nothing").status_code == 404
+    # Plain HTTP on the TLS port, and a client that connects and says nothing until the server gives up.
+    with socket.create_connection(("127.0.0.1", int(webhook.url.rsplit(":", 1)[1])), timeout=5) as plain:
+        plain.sendall(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        try:
+            answered = plain.recv(100)
+        except ConnectionResetError:
+            answered = b""
+        assert not answered.startswith(b"HTTP/")  # a TLS alert, or nothing
+    silent = socket.create_connection(("127.0.0.1", int(webhook.url.rsplit(":", 1)[1])), timeout=5)
+    try:
+        assert webhook.client.get(f"{webhook.url}/healthz").status_code == 200
+        assert webhook.review(pod(("app", images.signed)))["allowed"] is True
+    finally:
+        silent.close()
+    assert webhook.process.poll() is None
+    assert "Traceback" not in webhook.log_path.read_text()
+
+
+def test_plain_http_is_not_served(webhook):
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(webhook.url.replace("https://", "http://") + "/healthz", timeout=5)
+    assert webhook.client.get(f"{webhook.url}/healthz").status_code == 200
+
+
+def test_each_decision_is_one_json_log_line_without_the_pod_spec(webhook, images):
+    review = pod(("app", images.unsigned))
+    canary = f"canary-{uuid.uuid4().hex}"
+    review["request"]["object"]["spec"]["containers"][0]["env"] = [{"name": "API_TOKEN", "value": canary}]
+    webhook.review(review)
+    logged = [d for d in webhook.decisions() if d.get("uid") == review["request"]["uid"]]
+    assert len(logged) == 1
+    line = logged[0]
+    assert (line["kind"], line["object"], line["decision"]) == ("Pod", "team-a/web", "denied")
+    assert [(i["container"], i["image"], i["allowed"]) for i in line["images"]] == [("app", images.unsigned, False)]
+    log_text = webhook.log_path.read_text()
+    assert canary not in log_text
+    assert (KEYS / "cosign.password").read_text().strip() not in log_text
+
+
+def test_sigterm_stops_the_server_cleanly(start_webhook, images):
+    hook = start_webhook()
+    assert hook.review(pod(("app", images.signed)))["allowed"] is True
+    assert hook.stop() == 0
+    log = [json.loads(line) for line in hook.log_path.read_text().splitlines()]
+    assert [entry["event"] for entry in log[-2:]] == ["stopping", "stopped"]
+
+
+# --- imagebuild admission review: the same answer, offline --------------------------------------------------
+
+
+def test_review_judges_one_admission_review_from_a_file_like_the_webhook(imagebuild, images, tmp_path):
+    config = trust_file(tmp_path)
+    allowed, denied = tmp_path / "allowed.json", tmp_path / "denied.json"
+    allowed.write_text(json.dumps(pod(("app", images.signed))))
+    denied.write_text(json.dumps(pod(("app", images.signed), ("sidecar", images.unsigned))))
+    ok = imagebuild("admission", "review", "--config", config, allowed)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["response"]["allowed"] is True
+    refused = imagebuild("admission", "review", "--config", config, denied)
+    assert refused.returncode == 1, refused.stderr
+    message = json.loads(refused.stdout)["response"]["status"]["message"]
+    assert message.startswith(f'imagebuild refused 1 of 2 images: container "sidecar" image {images.unsigned}: not signed')
+
+
+def test_review_of_a_body_without_a_uid_is_bad_input_in_one_line(imagebuild, tmp_path):
+    body = tmp_path / "review.json"
+    body.write_text('{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}}')
+    run = imagebuild("admission", "review", "--config", trust_file(tmp_path), body)
+    assert run.returncode == 2
+    assert run.stderr == (f"error: {body}: imagebuild: malformed AdmissionReview: request.uid: missing, or not a "
+                          "non-empty string\n")
+    assert run.stdout == ""

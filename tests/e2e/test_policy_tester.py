@@ -1,0 +1,340 @@
+"""The generated ClusterImagePolicy under policy-controller's own evaluator, and `imagebuild verify` agreeing.
+
+policy-controller's `tester` (cmd/tester of github.com/sigstore/policy-controller, built by
+scripts/bootstrap.sh) compiles the policy exactly as the admission controller does and verifies
+one image against it, offline, with the registry on 127.0.0.1 (plain HTTP, as go-containerregistry
+does for loopback hosts). Images here are tiny single-layer images made with crane, signed and
+attested with the real cosign and the bootstrap key (or a key made for the test).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from imagebuild import policies
+from imagebuild.attest import KINDS
+from imagebuild.trust import load_trust_config
+
+from .conftest import REPO, imagebuild
+
+TOOLS = Path("/opt/imagebuild-tools/bin")
+KEYS = Path("/var/lib/imagebuild/keys")
+# The installed evaluator first; the lead's build tree while bootstrap has not installed it yet.
+TESTER_CANDIDATES = (TOOLS / "policy-tester", Path("/tmp/pcbuild/policy-tester"))
+
+
+def _tool(name: str) -> str:
+    found = TOOLS / name if (TOOLS / name).exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed; run scripts/bootstrap.sh", pytrace=False)
+    return str(found)
+
+
+@pytest.fixture(scope="session")
+def policy_tester() -> str:
+    override = os.environ.get("IMAGEBUILD_POLICY_TESTER")
+    for candidate in ([Path(override)] if override else []) + list(TESTER_CANDIDATES):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    pytest.fail("policy-controller's tester is not installed (looked for "
+                + ", ".join(map(str, TESTER_CANDIDATES)) + "); run scripts/bootstrap.sh, which builds "
+                "cmd/tester of github.com/sigstore/policy-controller, or set IMAGEBUILD_POLICY_TESTER",
+                pytrace=False)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    key: Path
+    pub: Path
+    password: str
+
+
+@pytest.fixture(scope="session")
+def bootstrap_key() -> SigningKey:
+    paths = [KEYS / "cosign.key", KEYS / "cosign.pub", KEYS / "cosign.password"]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        pytest.fail(f"the bootstrap signing key is missing ({', '.join(missing)}); run scripts/bootstrap.sh",
+                    pytrace=False)
+    return SigningKey(paths[0], paths[1], paths[2].read_text().strip())
+
+
+@pytest.fixture(scope="session")
+def other_key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
+    folder = tmp_path_factory.mktemp("other-key")
+    password = uuid.uuid4().hex
+    subprocess.run([_tool("cosign"), "generate-key-pair", "--output-key-prefix", "other"], cwd=folder,
+                   env={**os.environ, "COSIGN_PASSWORD": password}, check=True, capture_output=True, timeout=60)
+    return SigningKey(folder / "other.key", folder / "other.pub", password)
+
+
+@pytest.fixture(scope="session")
+def namespace(staging_registry: str) -> str:
+    """A repository prefix of this run's own: nothing another run or test pushes lands under it."""
+    return f"{staging_registry}/imagebuild-policies-e2e/{uuid.uuid4().hex[:12]}"
+
+
+def push_tiny_image(tmp_path: Path, reference: str) -> str:
+    """A one-layer image whose content is unique; returns its by-digest reference."""
+    payload = tmp_path / f"{uuid.uuid4().hex}.txt"
+    payload.write_text(f"{reference} {uuid.uuid4()}\n")
+    layer = payload.with_suffix(".tar")
+    with tarfile.open(layer, "w") as tar:
+        tar.add(payload, arcname="content.txt")
+    crane = _tool("crane")
+    subprocess.run([crane, "append", "-f", str(layer), "-t", reference], check=True, capture_output=True, timeout=60)
+    digest = subprocess.run([crane, "digest", reference], check=True, capture_output=True, text=True,
+                            timeout=60).stdout.strip()
+    return f"{reference.rsplit(':', 1)[0]}@{digest}"
+
+
+COSIGN_OFFLINE = ["--tlog-upload=false", "--allow-http-registry", "--allow-insecure-registry", "--yes"]
+
+
+def cosign(key: SigningKey, *args: str) -> None:
+    result = subprocess.run([_tool("cosign"), *args[:1], "--key", str(key.key), *COSIGN_OFFLINE, *args[1:]],
+                            env={**os.environ, "COSIGN_PASSWORD": key.password}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, f"cosign {args[0]} failed: {result.stderr[-2000:]}"
+
+
+def sign(key: SigningKey, image: str) -> None:
+    cosign(key, "sign", image)
+
+
+def attest(key: SigningKey, image: str, kind: str, predicate: dict, tmp_path: Path) -> None:
+    file = tmp_path / f"{kind}-{uuid.uuid4().hex}.json"
+    file.write_text(json.dumps(predicate))
+    cosign_type = {k.name: k.cosign_type for k in KINDS}[kind]
+    cosign(key, "attest", "--type", cosign_type, "--predicate", str(file), image)
+
+
+def digest_of(image: str) -> str:
+    return image.rsplit("@", 1)[1]
+
+
+def attest_all(key: SigningKey, image: str, tmp_path: Path, *, smoke_status: str = "passed",
+               smoke_digest: str | None = None, gate_decision: str = "passed", skip: tuple[str, ...] = ()) -> None:
+    """The four attestations `imagebuild sign` attaches, in their predicate shapes."""
+    digest = digest_of(image)
+    predicates = {
+        "sbom": {"bomFormat": "CycloneDX", "specVersion": "1.5", "version": 1, "components": []},
+        "vuln": {"invocation": {"parameters": None, "uri": "", "event_id": "", "builder.id": ""},
+                 "scanner": {"uri": "https://github.com/aquasecurity/trivy", "version": "0.58.0",
+                             "db": {"uri": "", "version": ""}, "result": {"SchemaVersion": 2, "Results": []}},
+                 "metadata": {"scanStartedOn": "2026-12-01T00:00:00Z", "scanFinishedOn": "2026-12-01T00:00:05Z"}},
+        "smoke": {"digest": smoke_digest or digest, "variant": "tiny", "status": smoke_status,
+                  "counts": {"passed": 3, "failed": 0 if smoke_status == "passed" else 1, "skipped": 0}},
+        "gate": {"digest": digest, "variant": "tiny", "decision": gate_decision, "policy": {"severity": "HIGH"},
+                 "exceptions_applied": []},
+    }
+    for kind, predicate in predicates.items():
+        if kind not in skip:
+            attest(key, image, kind, predicate, tmp_path)
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    output: str
+
+
+def evaluate(tester: str, policy: Path, image: str) -> Decision:
+    result = subprocess.run([tester, "--policy", str(policy), "--image", image, "--log-level", "info"],
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert "CIP is invalid" not in output, f"policy-controller refused the policy itself:\n{output[-3000:]}"
+    assert "Policy was successfully validated" in output, output[-3000:]
+    if result.returncode == 0:
+        assert "Verification was successful" in output, output[-3000:]
+        return Decision(True, output)
+    errors = json.loads(result.stdout.strip().splitlines()[-1])["errors"]  # the tester's refusal: JSON on stdout
+    assert result.returncode == 1 and errors, output[-3000:]
+    return Decision(False, "\n".join(errors))
+
+
+def trust_file(folder: Path, keys: list[Path], images: list[str], *, mode: str = "enforce",
+               require: str = "{}") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = "".join(f"  - name: key-{n}\n    path: {key}\n" for n, key in enumerate(keys))
+    globs = "".join(f"  - \"{g}\"\n" for g in images)
+    path = folder / "trust.yaml"
+    path.write_text(f"schema: 1\nmode: {mode}\nkeys:\n{entries}images:\n{globs}require: {require}\n")
+    return path
+
+
+def generate(config: Path, out: Path) -> Path:
+    run = imagebuild("policies", "generate", "--config", str(config), "--out", str(out), cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    return out / policies.CLUSTER_IMAGE_POLICY
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def images(namespace: str, bootstrap_key: SigningKey, other_key: SigningKey,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """signed (bootstrap key), unsigned, foreign (another key), moved (a signed tag moved to an
+    unsigned digest), outside (signed, in a repository no glob covers)."""
+    tmp = tmp_path_factory.mktemp("images")
+    made = {
+        "signed": push_tiny_image(tmp, f"{namespace}/app/signed:t"),
+        "unsigned": push_tiny_image(tmp, f"{namespace}/app/unsigned:t"),
+        "foreign": push_tiny_image(tmp, f"{namespace}/app/foreign:t"),
+        "outside": push_tiny_image(tmp, f"{namespace}-elsewhere/app:t"),
+    }
+    sign(bootstrap_key, made["signed"])
+    sign(other_key, made["foreign"])
+    sign(bootstrap_key, made["outside"])
+    moved_tag = f"{namespace}/app/moved:t"
+    sign(bootstrap_key, push_tiny_image(tmp, moved_tag))
+    push_tiny_image(tmp, moved_tag)  # the tag now names a digest nobody signed
+    made["moved"] = moved_tag
+    return made
+
+
+@pytest.fixture(scope="module")
+def single_key_policy(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("single")
+    return generate(trust_file(folder, [bootstrap_key.pub], [f"{namespace}/app/**"]), folder / "admission")
+
+
+EXPECTED_SINGLE_KEY = {"signed": True, "unsigned": False, "foreign": False, "moved": False, "outside": False}
+
+
+def test_tester_admits_the_signed_image(policy_tester: str, single_key_policy: Path, images: dict[str, str]) -> None:
+    assert evaluate(policy_tester, single_key_policy, images["signed"]).admitted
+
+
+def test_tester_refuses_the_unsigned_image(policy_tester: str, single_key_policy: Path, images: dict[str, str]) -> None:
+    decision = evaluate(policy_tester, single_key_policy, images["unsigned"])
+    assert not decision.admitted and "no signatures found" in decision.output
+
+
+def test_tester_refuses_an_image_signed_with_another_key(policy_tester: str, single_key_policy: Path,
+                                                         images: dict[str, str]) -> None:
+    decision = evaluate(policy_tester, single_key_policy, images["foreign"])
+    assert not decision.admitted and "sig-key-0" in decision.output
+
+
+def test_tester_refuses_a_tag_moved_to_an_unsigned_digest(policy_tester: str, single_key_policy: Path,
+                                                          images: dict[str, str]) -> None:
+    assert not evaluate(policy_tester, single_key_policy, images["moved"]).admitted
+
+
+def test_tester_refuses_an_image_outside_the_configured_repositories(policy_tester: str, single_key_policy: Path,
+                                                                     images: dict[str, str]) -> None:
+    decision = evaluate(policy_tester, single_key_policy, images["outside"])
+    assert not decision.admitted and "uncovered by policy" in decision.output
+
+
+def test_rotated_policy_admits_images_signed_with_either_key(policy_tester: str, namespace: str,
+                                                             bootstrap_key: SigningKey, other_key: SigningKey,
+                                                             images: dict[str, str], tmp_path: Path) -> None:
+    config = trust_file(tmp_path, [bootstrap_key.pub, other_key.pub], [f"{namespace}/app/**"])
+    policy = generate(config, tmp_path / "admission")
+    assert evaluate(policy_tester, policy, images["signed"]).admitted
+    assert evaluate(policy_tester, policy, images["foreign"]).admitted
+    assert not evaluate(policy_tester, policy, images["unsigned"]).admitted
+
+
+def test_warn_mode_admits_the_unsigned_image_with_a_warning(policy_tester: str, namespace: str,
+                                                            bootstrap_key: SigningKey, images: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    config = trust_file(tmp_path, [bootstrap_key.pub], [f"{namespace}/app/**"], mode="warn")
+    decision = evaluate(policy_tester, generate(config, tmp_path / "admission"), images["unsigned"])
+    assert decision.admitted and "no signatures found" in decision.output
+
+
+def test_the_committed_production_policy_compiles_in_policy_controller(policy_tester: str,
+                                                                        images: dict[str, str]) -> None:
+    decision = evaluate(policy_tester, REPO / "policies" / "admission" / policies.CLUSTER_IMAGE_POLICY,
+                        images["signed"])
+    assert not decision.admitted and "uncovered by policy" in decision.output
+
+
+# --- attestations ------------------------------------------------------------------------------
+
+REQUIRE_ALL = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gate_passed: true}"
+
+
+@pytest.fixture(scope="module")
+def attested(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """complete: signed with all four attestations; smoke_failed; smoke_elsewhere (the smoke
+    result names another digest); gate_blocked; no_gate; not_signed (attested, but the image
+    itself unsigned)."""
+    tmp = tmp_path_factory.mktemp("attested")
+    made = {name: push_tiny_image(tmp, f"{namespace}/attested/{name.replace('_', '-')}:t")
+            for name in ("complete", "smoke_failed", "smoke_elsewhere", "gate_blocked", "no_gate", "not_signed")}
+    for name, image in made.items():
+        if name != "not_signed":
+            sign(bootstrap_key, image)
+    attest_all(bootstrap_key, made["complete"], tmp)
+    attest_all(bootstrap_key, made["smoke_failed"], tmp, smoke_status="failed")
+    attest_all(bootstrap_key, made["smoke_elsewhere"], tmp, smoke_digest=digest_of(made["complete"]))
+    attest_all(bootstrap_key, made["gate_blocked"], tmp, gate_decision="blocked")
+    attest_all(bootstrap_key, made["no_gate"], tmp, skip=("gate",))
+    attest_all(bootstrap_key, made["not_signed"], tmp)
+    return made
+
+
+@pytest.fixture(scope="module")
+def attestation_policy(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("attestation-policy")
+    config = trust_file(folder, [bootstrap_key.pub], [f"{namespace}/attested/**"], require=REQUIRE_ALL)
+    return generate(config, folder / "admission")
+
+
+EXPECTED_ATTESTED = {"complete": True, "smoke_failed": False, "smoke_elsewhere": False, "gate_blocked": False,
+                     "no_gate": False, "not_signed": False}
+# What policy-controller says when it refuses each one.
+REFUSAL = {"smoke_failed": "rego policy for type smoke", "smoke_elsewhere": "rego policy for type smoke",
+           "gate_blocked": "rego policy for type gate",
+           "no_gate": f"no matching attestations with type {policies.PREDICATE_TYPES['gate']}",
+           "not_signed": "authority sig-key-0"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ATTESTED))
+def test_tester_applies_the_attestation_requirements(policy_tester: str, attestation_policy: Path,
+                                                     attested: dict[str, str], name: str) -> None:
+    decision = evaluate(policy_tester, attestation_policy, attested[name])
+    assert decision.admitted is EXPECTED_ATTESTED[name], decision.output
+    if not decision.admitted:
+        assert REFUSAL[name] in decision.output
+
+
+# --- imagebuild verify gives the same answers ---------------------------------------------------
+
+
+def test_verify_admits_and_refuses_the_same_images_as_the_tester(policy_tester: str, single_key_policy: Path,
+                                                                 images: dict[str, str]) -> None:
+    from imagebuild.verify import Verifier  # the verify helper's module (imagebuild/verify.py)
+
+    config = load_trust_config(single_key_policy.parent.parent / "trust.yaml")
+    verifier = Verifier(config, check_attestations=False)
+    tester = {name: evaluate(policy_tester, single_key_policy, image).admitted for name, image in images.items()}
+    verify = {name: verifier.verify(image).allowed for name, image in images.items()}
+    assert tester == EXPECTED_SINGLE_KEY
+    assert verify == tester
+
+
+def test_verify_applies_the_same_attestation_requirements_as_the_tester(policy_tester: str,
+                                                                        attestation_policy: Path,
+                                                                        attested: dict[str, str]) -> None:
+    from imagebuild.verify import Verifier
+
+    config = load_trust_config(attestation_policy.parent.parent / "trust.yaml")
+    verifier = Verifier(config, check_attestations=True)
+    tester = {name: evaluate(policy_tester, attestation_policy, image).admitted for name, image in attested.items()}
+    verify = {name: verifier.verify(image).allowed for name, image in attested.items()}
+    assert tester == EXPECTED_ATTESTED
+    assert verify == tester
