@@ -115,9 +115,9 @@ def push_command(workdir: Path, to: str, only: tuple[str, ...], trust_path: Path
     selection = Selection.parse(only)
     force_move = plan.Force.parse(force, reason)
     config = trust_config(trust_path, keys)
+    harbor_setup = _harbor(harbor_url, to, harbor_password_file, harbor_ca_bundle) if harbor_url else None
     report_path, report = signing.select_report(workdir)
     variants = selection.choose(report.variants, str(report_path))
-    harbor_setup = _harbor(harbor_url, to, harbor_password_file, harbor_ca_bundle) if harbor_url else None
     report_at(report_path)
 
     scan_reader = None
