@@ -85,6 +85,10 @@ class PromoteOutcome:
             return []
         return [d.tag for d in self.decisions]
 
+    @property
+    def tags_refused(self) -> list[str]:
+        return [d.tag for d in self.decisions if d.action is plan.TagAction.REFUSE]
+
     def moved(self) -> dict[str, int]:
         s = self.stats or CopyStats()
         return {"bytes_uploaded": s.bytes_uploaded, "blobs_uploaded": s.blobs_uploaded,
@@ -94,7 +98,7 @@ class PromoteOutcome:
     def row(self) -> dict[str, Any]:
         return {"source": self.source, "target": self.target, "digest": self.digest, "action": self.action,
                 "tags": self.tags, "tags_written": self.tags_written, "tags_moved": self.tags_moved,
-                "tags_refused": [d.tag for d in self.decisions if d.action is plan.TagAction.REFUSE],
+                "tags_refused": self.tags_refused,
                 **self.moved(), "signature_tags": list(self.stats.signature_tags) if self.stats else [],
                 "audit": self.audit.to_dict() if self.audit else None,
                 "audited_at": self.audit.audited_at if self.audit else None, "reason": self.reason}
@@ -292,6 +296,7 @@ def push_stage(variant: VariantRecord, outcome: PromoteOutcome | None, *, status
     return PushStage(
         status=status, digest=outcome.digest or variant.digest, source=variant.image, target=outcome.target,
         tags=outcome.tags, tags_written=outcome.tags_written, tags_moved=outcome.tags_moved,
+        tags_refused=outcome.tags_refused,
         bytes_uploaded=stats.bytes_uploaded, blobs_uploaded=stats.blobs_uploaded,
         blobs_reused=stats.blobs_present + stats.blobs_mounted, blobs_mounted=stats.blobs_mounted,
         signature_tags=list(stats.signature_tags), audit=outcome.audit.to_dict() if outcome.audit else None,

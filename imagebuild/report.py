@@ -253,6 +253,7 @@ class PushStage(StageRecord):
     tags: list[str] = field(default_factory=list)  # release tags naming `digest` in the target after this run
     tags_written: list[str] = field(default_factory=list)  # written by this run (moved ones included)
     tags_moved: list[dict[str, str]] = field(default_factory=list)  # {tag, from, to, reason}: --force, audit-logged
+    tags_refused: list[str] = field(default_factory=list)  # naming another digest there (immutable without --force)
     bytes_uploaded: int = 0  # blob bytes this run sent to the target
     blobs_uploaded: int = 0
     blobs_reused: int = 0  # already in the target, or mounted from another repository of it

@@ -160,8 +160,11 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
             ensured = harbor.ensure(client, harbor.HarborSetup(project=path))
 
         def scan(target: str, digest: str) -> dict[str, Any]:
-            with _harbor_failures():
+            """Harbor's scan overview; a failure to read it is reported, not fatal (the image is pushed)."""
+            try:
                 return client.scan_overview(harbor.parse_artifact(f"{target}@{digest}")).to_dict()
+            except harbor.HarborError as err:
+                return {"artifact": f"{target}@{digest}", "found": False, "status": "error", "error": str(err)}
 
         return ensured.to_dict(), scan
 
