@@ -78,7 +78,7 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
     layers = planning.find_layers(the_plan, refs)
     # --layers alone builds layers, no variant; with --only, both.
     variants = selection.choose(the_plan.variants, str(matrix_path)) if selection or not layers else []
-    report = building.registry_plan(the_plan, variants, layers=layers)
+    report = building.registry_plan(the_plan, variants, layer_keys=layers)
     report.revision = rev
     secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
