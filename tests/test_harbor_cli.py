@@ -225,6 +225,7 @@ def test_a_robot_without_push_rights_gets_them(standin):
     (["--project", "paddle", "--robot", "CI!"], {}, "--robot"),
     (["--project", "paddle", "--robot", "ci", "--robot-duration", "0"], {}, "--robot-duration"),
     (["--project", "paddle", "--rotate-secret"], {}, "need --robot"),
+    (["--project", "paddle", "--robot", "ci", "--secret-file", "/no/such/dir/s"], {}, "--secret-file"),
     (["--project", "paddle"], {"HARBOR_PASSWORD": ""}, "HARBOR_PASSWORD"),
     (["--project", "paddle"], {"HARBOR_USERNAME": ""}, "HARBOR_USERNAME"),
 ])
