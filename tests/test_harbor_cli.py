@@ -287,6 +287,29 @@ def test_server_errors_and_rate_limits_are_retried_until_harbor_answers(standin)
     no_violations(standin)
 
 
+def test_a_project_created_but_its_answer_lost_is_finished_by_the_retry(standin):
+    standin.inject(502, 1, operation="createProject", after_effect=True)
+    result = ensure(standin, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    statuses = [(r.operation, r.status) for r in standin.requests if r.operation == "createProject"]
+    assert statuses == [("createProject", 502), ("createProject", 409)]
+    assert standin.project("paddle")["metadata"]["enable_content_trust_cosign"] == "true"
+    assert len([p for p in standin.projects.values() if p["name"] == "paddle"]) == 1
+    no_violations(standin)
+
+
+def test_a_robot_created_but_its_answer_lost_is_found_and_its_secret_can_be_rotated(standin):
+    standin.inject(500, 1, operation="CreateRobot", after_effect=True)
+    lost = ensure(standin, "--robot", "ci")
+    assert lost.returncode == 0, lost.stderr
+    assert "robot robot$paddle+ci: unchanged" in lost.stdout and "--rotate-secret issues a new one" in lost.stdout
+    assert standin.robot_named("robot$paddle+ci")["secret"] not in lost.stdout
+    rotated = ensure(standin, "--robot", "ci", "--rotate-secret")
+    assert rotated.returncode == 0 and rotated.stdout.strip().splitlines()[-1] == standin.robot_named("robot$paddle+ci")["secret"]
+    assert len(standin.robots) == 1
+    no_violations(standin)
+
+
 def test_harbor_failing_on_every_retry_exits_3(standin):
     standin.inject(503, 100)
     result = ensure(standin, "--retries", "2")
