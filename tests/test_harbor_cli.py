@@ -6,9 +6,11 @@ so these tests also prove the client speaks Harbor's API as Harbor describes it.
 """
 from __future__ import annotations
 
+import http.server
 import json
 import socket
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,14 +82,14 @@ def test_a_second_run_changes_nothing_and_says_so(standin, tmp_path):
     again = ensure(standin, "--robot", "ci", "--format", "json", "--secret-file", tmp_path / "unused.secret")
     assert again.returncode == 0, again.stderr
     report = json.loads(again.stdout)
-    assert report["changed"] is False
+    assert report["changed"] is False and report["harbor_version"] == "v2.14.0-standin"
     assert report["project"]["action"] == "unchanged"
     assert [r["action"] for r in report["immutable_rules"]] == ["unchanged"]
     assert report["robot"]["action"] == "unchanged" and report["robot"]["secret_issued"] is False
     assert writes(standin, mark) == []
     assert not (tmp_path / "unused.secret").exists()
     table = ensure(standin)
-    assert "nothing changed" in table.stdout
+    assert "Harbor v2.14.0-standin at http://127.0.0.1:" in table.stdout and "nothing changed" in table.stdout
     no_violations(standin)
 
 
@@ -254,6 +256,27 @@ def test_harbor_down_exits_3_in_one_line():
     assert "cannot reach Harbor at" in one_error_line(result.stderr)
 
 
+def test_a_url_that_is_not_harbor_exits_3_before_anything_is_changed():
+    class NotHarbor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotHarbor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = harbor_cli("ensure", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--project", "paddle")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 3
+    assert "does not serve Harbor's API (GET /api/v2.0/systeminfo answered 404)" in one_error_line(result.stderr)
+
+
 def test_wrong_password_exits_3_in_one_line_without_echoing_it(standin):
     result = ensure(standin, password="Wrong-Pw-Canary-55")
     assert result.returncode == 3
@@ -280,7 +303,8 @@ def test_server_errors_and_rate_limits_are_retried_until_harbor_answers(standin)
     result = ensure(standin)
     assert result.returncode == 0, result.stderr
     statuses = [(r.operation, r.status) for r in standin.requests]
-    assert statuses[:3] == [("getProject", 500), ("getProject", 500), ("getProject", 404)]
+    assert [s for s in statuses if s[0] == "getProject"][:3] == [("getProject", 500), ("getProject", 500),
+                                                                 ("getProject", 404)]
     assert ("createProject", 429) in statuses and ("createProject", 201) in statuses
     assert ("CreateImmuRule", 503) in statuses and ("CreateImmuRule", 201) in statuses
     assert len(standin.rules[standin.project("paddle")["project_id"]]) == 1

@@ -269,7 +269,7 @@ def _print_report(report: harbor.EnsureReport) -> None:
                    f"expires {dt.datetime.fromtimestamp(robot.expires_at, dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
         hint = "; its secret is not shown again (--rotate-secret issues a new one)" if robot.secret is None else ""
         click.echo(f"robot {robot.name}: {robot.action}, {expires}{hint}")
-    click.echo(f"Harbor {report.url}: {'changed' if report.changed else 'nothing changed'}")
+    click.echo(f"Harbor {report.harbor_version} at {report.url}: {'changed' if report.changed else 'nothing changed'}")
 
 
 def _overview_line(overview: harbor.ScanOverview) -> str:
