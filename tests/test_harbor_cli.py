@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_imagebuild
-from tests.harbor_standin import HarborSpec, HarborStandIn
-from tests.harbor_standin.tls import make_pki
+from .conftest import run_imagebuild
+from .harbor_standin import HarborSpec, HarborStandIn
+from .harbor_standin.tls import make_pki
 
 ADMIN_PASSWORD = "Canary-Admin-Pw-7f3a9"  # a canary: it must never show in any output
 DIGEST = "sha256:" + "5e" * 32
