@@ -258,7 +258,7 @@ def _print_report(report: harbor.EnsureReport) -> None:
     if project.action == "unchanged":
         click.echo(f"project {project.name}: unchanged")
     else:
-        changes = ", ".join(f"{k} {b or '-'} -> {a}" if b is not None or project.action != "created" else f"{k}={a}"
+        changes = ", ".join(f"{k} {b or 'unset'} -> {a}" if b is not None or project.action != "created" else f"{k}={a}"
                             for k, (b, a) in project.changes.items())
         click.echo(f"project {project.name}: {project.action} ({changes})")
     for rule in report.rules:
