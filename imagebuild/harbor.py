@@ -361,7 +361,8 @@ def _is_our_rule(rule: ImmutableRule, pattern: str) -> bool:
 
 def robot_permissions(project: str, access: tuple[tuple[str, str], ...] = ROBOT_ACCESS) -> list[dict[str, Any]]:
     return [{"kind": "project", "namespace": project,
-             "access": [{"resource": resource, "action": action, "effect": "allow"} for resource, action in access]}]
+             # no "effect": Harbor's own UI sends none, and an absent effect allows
+             "access": [{"resource": resource, "action": action} for resource, action in access]}]
 
 
 def robot_request(project: str, spec: RobotSpec) -> dict[str, Any]:

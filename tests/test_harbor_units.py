@@ -11,6 +11,7 @@ import time
 import pytest
 
 from imagebuild import harbor
+
 from .harbor_standin import HarborSpec
 
 DIGEST = "sha256:" + "0f" * 32

@@ -117,7 +117,7 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
         raise InputError("--robot", None, "", "--rotate-secret and --secret-file need --robot NAME")
     if secret_file is not None and (secret_file.is_dir() or not os.access(secret_file.parent, os.W_OK)):
         raise InputError("--secret-file", None, "", f"{secret_file}: not a file that can be written")
-    credentials = _credentials(username, password_file)
+    credentials = credentials_from(username, password_file)
     setup = harbor.HarborSetup(
         project=project, settings=harbor.ProjectSettings(public=public, severity=severity),
         immutable_tags=tuple(patterns), robot=robot, rotate_secret=rotate_secret)
@@ -176,7 +176,7 @@ def scan_overview_command(url: str, images: tuple[str, ...], ca_bundle: Path | N
             refs.append(harbor.parse_artifact(text))
         except ValueError as err:
             raise InputError("IMAGE", None, "", str(err)) from None
-    credentials = _credentials(username, password_file)
+    credentials = credentials_from(username, password_file)
     with _harbor_failures(), harbor.HarborClient(base_url, credentials, ca_bundle=_ca(ca_bundle),
                                                  retries=retries) as client:
         overviews = [client.scan_overview(ref) for ref in refs]
@@ -223,7 +223,8 @@ def _ca(ca_bundle: Path | None) -> Path | None:
     return ca_bundle
 
 
-def _credentials(username: str | None, password_file: Path | None) -> harbor.Credentials:
+def credentials_from(username: str | None, password_file: Path | None) -> harbor.Credentials:
+    """The Harbor user's credentials from the options and the environment (push uses it too)."""
     if not username:
         raise InputError("HARBOR_USERNAME", None, "", "set HARBOR_USERNAME (or --username) to the Harbor user")
     if password_file is not None:
