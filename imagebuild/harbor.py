@@ -502,7 +502,8 @@ class HarborClient:
                 # A request whose connection failed before sending is safe to repeat; one that
                 # may have reached Harbor is repeated only when repeating it is harmless.
                 sent = not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
-                if attempt > self.retries or (sent and method == "POST"):
+                untrusted = "CERTIFICATE_VERIFY_FAILED" in str(err)  # no retry makes the certificate trusted
+                if attempt > self.retries or (sent and method == "POST") or untrusted:
                     raise HarborUnavailable(f"cannot reach Harbor at {self.url} to {what}: "
                                             f"{_SAFE_TEXT.sub('?', str(err) or type(err).__name__)}") from None
                 time.sleep(retry_delay(attempt, self.backoff, None))

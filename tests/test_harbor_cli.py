@@ -362,9 +362,10 @@ def test_tls_with_a_private_ca(spec, tmp_path):
     server = HarborStandIn(spec, users={"admin": ADMIN_PASSWORD}, tls=pki.server_context()).start()
     try:
         assert server.url.startswith("https://")
-        untrusted = ensure(server, "--retries", "0")
+        untrusted = ensure(server)
         assert untrusted.returncode == 3
         assert "CERTIFICATE_VERIFY_FAILED" in one_error_line(untrusted.stderr)
+        assert server.requests == []  # the handshake failed: nothing was sent, once (no retries)
         assert server.project("paddle") is None
         trusted = ensure(server, "--ca-bundle", pki.ca_pem, "--robot", "ci", "--secret-file", tmp_path / "ci.secret")
         assert trusted.returncode == 0, trusted.stderr
