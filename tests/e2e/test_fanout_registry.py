@@ -79,3 +79,27 @@ def test_the_registry_fanout_leaves_out_variants_whose_tags_and_layers_are_there
     assert run.returncode == 0, run.stderr
     assert run.json()["variants"] == []
     assert [level["jobs"] for level in run.json()["levels"]] == [0, 0, 0, 0]
+
+
+def test_a_layer_job_builds_its_layer_once_and_the_next_plan_finds_it(engine, staging_registry, tmp_path):
+    """What a first-level CI job does: build one shared layer into the cache; then nobody builds it again."""
+    def edit(data: dict) -> None:
+        new_repository_and_base(data)
+        data["cache_repository"] = unique("fanout-layers")  # a cache of its own: the base is new there
+
+    matrix = copy_matrix(tmp_path, edit)
+    fanout = imagebuild("plan", "--matrix", str(matrix), "--registry", "--format", "github-fanout").json()
+    [[entry]] = [shard["include"] for shard in fanout["levels"][0]["shards"]]
+    run = imagebuild("build", "--matrix", str(matrix), "--layers", entry["layers"], "--workdir",
+                     str(tmp_path / "work"), timeout=1800)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    report = json.loads((tmp_path / "work" / "build-report.json").read_text())
+    assert [(rec["key"], rec["status"]) for rec in report["layers"]] == [(entry["layers"], "built")]
+    assert report["variants"] == []
+
+    after = imagebuild("plan", "--matrix", str(matrix), "--registry", "--format", "github-fanout").json()
+    assert [level["jobs"] for level in after["levels"]] == [0, 0, 0, 2], "the base is in the cache now"
+    again = imagebuild("build", "--matrix", str(matrix), "--layers", entry["layers"], "--workdir",
+                       str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert "nothing to build: all 1 layers reused" in again.stdout
