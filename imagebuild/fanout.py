@@ -81,9 +81,12 @@ def plan_fanout(plan: Plan, variants: Sequence[Variant], cached: Collection[str]
     """Levels of jobs releasing `variants`, building every layer the cache (`cached` keys) lacks once."""
     if layer_levels < 1 or variant_shards < 1 or max_matrix < 1:
         raise ValueError("layer_levels, variant_shards and max_matrix must be at least 1")
-    needed = [k for k in plan.layers if k not in cached and any(k in v.chain for v in variants)]
-    users = {k: sum(k in v.chain for v in variants) for k in needed}
-    shared = [k for k in needed if users[k] > 1]  # plan order: parents first
+    users: dict[str, int] = {}  # layer key -> how many of the variants need it built
+    for v in variants:
+        for key in v.chain:
+            if key not in cached:
+                users[key] = users.get(key, 0) + 1
+    shared = [k for k in plan.layers if users.get(k, 0) > 1]  # plan order: parents first
     depth: dict[str, int] = {}
     anchor: dict[str, str] = {}  # a last-level layer -> its ancestor at the last level's depth
     for key in shared:
