@@ -61,6 +61,19 @@ def test_workflows_pass_actionlint():
         ["images.yml", "nightly-rescan.yml", "pull-request.yml", "rollout.yml"]
 
 
+def test_actionlint_refuses_untrusted_input_spliced_into_shell(tmp_path):
+    """The check above can fail: a pull request's title inside `run:` is a script injection to actionlint."""
+    workflows = tmp_path / ".github" / "workflows"
+    workflows.mkdir(parents=True)
+    (workflows / "bad.yml").write_text(
+        "on: pull_request\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+        "      - run: echo \"${{ github.event.pull_request.title }}\"\n")
+    tool = shutil.which("actionlint") or str(ACTIONLINT)
+    proc = subprocess.run([tool, "-color=false", str(workflows / "bad.yml")], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "potentially untrusted" in proc.stdout
+
+
 @pytest.mark.parametrize("name", ["images.yml", "nightly-rescan.yml", "pull-request.yml", "rollout.yml"])
 def test_no_expression_is_spliced_into_shell(name):
     """Inputs, matrix values and outputs reach `run:` through env vars, never as shell text."""
