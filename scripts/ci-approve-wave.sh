@@ -10,8 +10,10 @@ release="${IMAGEBUILD_RELEASE:-release.yaml}"
 
 id=""
 for _ in $(seq 60); do
-  id="$(imagebuild rollout status --release "$release" --format json 2>/dev/null \
-        | jq -r --arg image "$IMAGE" 'select(.source == $image) | .id' || true)"
+  id="$(imagebuild rollout status --release "$release" --format json 2>/dev/null | python3 -c '
+import json, os, sys
+record = json.load(sys.stdin)
+print(record["id"] if record.get("source") == os.environ["IMAGE"] else "")' || true)"
   [ -n "$id" ] && break
   sleep 10
 done
