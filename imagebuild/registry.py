@@ -210,8 +210,8 @@ class Registry:
             raise self._fail(response, "ping", None)
 
     def check_access(self, repository: str, push: bool = False) -> None:
-        """Prove the credentials work for a repository now (a HEAD of a tag that need not exist)."""
-        method = "POST" if push else "HEAD"
+        """Prove the credentials work for a repository now, before any work depends on them:
+        a HEAD of a tag that need not exist (pull), or opening and cancelling an upload (push)."""
         if push:
             response = self._request("POST", f"/v2/{repository}/blobs/uploads/", repository=repository,
                                      operation="start upload")
@@ -219,7 +219,7 @@ class Registry:
                 self._request("DELETE", self._location(response), repository=repository, operation="cancel upload")
                 return
         else:
-            response = self._request(method, f"/v2/{repository}/manifests/imagebuild-access-check",
+            response = self._request("HEAD", f"/v2/{repository}/manifests/imagebuild-access-check",
                                      headers={"Accept": MANIFEST_TYPES}, repository=repository,
                                      operation="HEAD manifest")
             if response.status_code in (200, 404):
