@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from .oci_auth import AuthDenied, CredentialError, Credentials, DockerConfig, RegistryAuth, credentials_for
-from .oci_retry import RetryingTransport, RetryLog, RetryPolicy
+from .oci_retry import RetryingTransport, RetryLog, RetryPolicy, tls_failure
 
 MANIFEST_TYPES = ", ".join([
     "application/vnd.oci.image.manifest.v1+json",
@@ -186,8 +186,9 @@ class Registry:
                                     registry=self.registry, repository=repository,
                                     operation=operation or method, status=exc.status) from None
         except httpx.HTTPError as exc:
+            hint = " (the registry's certificate is not trusted: give its CA bundle)" if tls_failure(exc) else ""
             raise RegistryUnreachable(f"{self._where(repository)}: {operation or method}: {exc.__class__.__name__}: "
-                                      f"{_scrub(str(exc), self.auth)}", registry=self.registry,
+                                      f"{_scrub(str(exc), self.auth)}{hint}", registry=self.registry,
                                       repository=repository, operation=operation or method) from None
 
     def _fail(self, response: httpx.Response, operation: str, repository: str | None,
