@@ -36,30 +36,17 @@ from typing import Any
 
 import httpx
 
+from .release import (
+    ApprovalGate,
+    GateSpec,
+    HttpGate,
+    PrometheusGate,
+    Region,
+    SignatureGate,
+    SmokeGate,
+    SoakGate,
+)
 from .trust import TrustConfig
-
-try:  # the model lives in release.py (the rollout work); the stub stands in until it lands
-    from .release import (  # type: ignore[attr-defined]
-        ApprovalGate,
-        GateSpec,
-        HttpGate,
-        PrometheusGate,
-        Region,
-        SignatureGate,
-        SmokeGate,
-        SoakGate,
-    )
-except ImportError:  # pragma: no cover - removed once release.py is merged
-    from ._release_stub import (  # type: ignore[assignment]
-        ApprovalGate,
-        GateSpec,
-        HttpGate,
-        PrometheusGate,
-        Region,
-        SignatureGate,
-        SmokeGate,
-        SoakGate,
-    )
 
 # How long a network gate may take, and when to ask again.
 PROMETHEUS_TIMEOUT_S = 5.0
@@ -118,14 +105,12 @@ class GateContext:
     workdir: Path | None = None  # smoke gate's JUnit and logs (default .imagebuild/rollout)
 
 
-GATE_NAMES: dict[type, str] = {
-    SoakGate: "soak", SignatureGate: "signature", SmokeGate: "smoke",
-    PrometheusGate: "prometheus", HttpGate: "http", ApprovalGate: "approval",
-}
-
-
 def gate_name(spec: GateSpec) -> str:
-    return GATE_NAMES.get(type(spec), type(spec).__name__)
+    """The release.yaml key of the gate (soak, signature, ...)."""
+    try:
+        return spec.kind
+    except KeyError:
+        return type(spec).__name__
 
 
 def evaluate(spec: GateSpec, ctx: GateContext) -> GateResult:

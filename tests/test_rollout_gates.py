@@ -6,16 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from imagebuild.release import ApprovalGate, PrometheusGate, Region, SoakGate
 from imagebuild.rollout_gates import (
     NO_DATA_GRACE_S,
-    ApprovalGate,
     GateContext,
     GateOutcome,
     GateResult,
     PrometheusAnswerError,
-    PrometheusGate,
-    Region,
-    SoakGate,
     Window,
     evaluate,
     judge,
