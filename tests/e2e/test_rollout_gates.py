@@ -2,12 +2,19 @@
 registries with cosign signatures, and the smoke suite in Docker."""
 from __future__ import annotations
 
+import os
+import subprocess
+import tarfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, SoakGate
+import pytest
+
+from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, SignatureGate, SoakGate
 from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
-from imagebuild.trust import Mode, Requirements, TrustConfig
+from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
 
 from .rollout_harness import HANG, closed_port_url, unique_metric
 
@@ -155,3 +162,81 @@ def test_soak_waits_with_progress_until_its_time_is_up():
 def test_approval_is_per_wave():
     assert evaluate(ApprovalGate(), context(approvals=("rest",))).outcome is GateOutcome.WAITING
     assert evaluate(ApprovalGate(), context(approvals=("canary",))).outcome is GateOutcome.PASSED
+
+
+# --- signatures in the regional registries ---------------------------------------------------------------
+
+CRANE = Path("/opt/imagebuild-tools/bin/crane")
+
+
+def run_tool(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{' '.join(argv[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return proc.stdout.strip()
+
+
+def push_tiny_image(tmp_path: Path, ref: str, base: str | None = None) -> str:
+    """A one-layer image holding a unique file (so its digest is new) pushed by crane; its digest."""
+    if not CRANE.is_file():
+        pytest.fail(f"crane missing at {CRANE}; run scripts/bootstrap.sh", pytrace=False)
+    marker = tmp_path / f"marker-{uuid.uuid4().hex}"
+    marker.write_text(marker.name)
+    layer = tmp_path / f"{marker.name}.tar"
+    with tarfile.open(layer, "w") as tar:
+        tar.add(marker, arcname=f"gates/{marker.name}")
+    run_tool(str(CRANE), "append", "--insecure", "-f", str(layer), "-t", ref, *(["-b", base] if base else []))
+    return run_tool(str(CRANE), "digest", "--insecure", ref)
+
+
+@dataclass
+class SignedImages:
+    repository: str  # the same repository name in every regional registry
+    signed: str  # digest signed in eu-west (and copied without its signature to us-east)
+    unsigned: str  # digest never signed
+    trust: TrustConfig
+
+
+@pytest.fixture(scope="module")
+def signed_images(tmp_path_factory, cosign, cosign_keys) -> SignedImages:
+    tmp = tmp_path_factory.mktemp("gates-images")
+    repository = f"imagebuild-e2e/gates-{uuid.uuid4().hex[:10]}"
+    signed = push_tiny_image(tmp, f"{EU_WEST.registry}/{repository}:signed")
+    unsigned = push_tiny_image(tmp, f"{EU_WEST.registry}/{repository}:unsigned")
+    run_tool(cosign, "sign", "--key", str(cosign_keys["key"]), "--tlog-upload=false", "--allow-http-registry",
+             "--allow-insecure-registry", "--yes", f"{EU_WEST.registry}/{repository}@{signed}",
+             env={"COSIGN_PASSWORD": cosign_keys["password"]})
+    # us-east gets the image but not its signature (a copy by digest of the manifest alone).
+    run_tool(str(CRANE), "copy", "--insecure", f"{EU_WEST.registry}/{repository}@{signed}",
+             f"{US_EAST.registry}/{repository}:signed")
+    trust = trust_config_for_keys([cosign_keys["pub"]], images=["127.0.0.1:*/imagebuild-e2e/**"])
+    return SignedImages(repository, signed, unsigned, trust)
+
+
+def in_region(images: SignedImages, region: Region, digest: str) -> GateContext:
+    placed = Region(region.name, region.registry, images.repository)
+    return context(placed, image=placed.image(digest), digest=digest, trust=images.trust)
+
+
+def test_signature_gate_passes_a_signed_image_in_the_region(signed_images):
+    result = evaluate(SignatureGate(), in_region(signed_images, EU_WEST, signed_images.signed))
+    assert result.outcome is GateOutcome.PASSED, result.detail
+    assert "region eu-west (127.0.0.1:5001)" in result.detail and "signed by cosign.pub" in result.detail
+
+
+def test_signature_gate_fails_an_unsigned_image(signed_images):
+    result = evaluate(SignatureGate(), in_region(signed_images, EU_WEST, signed_images.unsigned))
+    assert result.outcome is GateOutcome.FAILED and not result.transient
+    assert "region eu-west" in result.detail and "signature" in result.detail.lower()
+
+
+def test_signature_gate_fails_the_region_where_the_signature_was_not_copied(signed_images):
+    result = evaluate(SignatureGate(), in_region(signed_images, US_EAST, signed_images.signed))
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "region us-east (127.0.0.1:5002)" in result.detail
+
+
+def test_signature_gate_with_the_registry_down_fails_naming_the_region_and_may_be_retried(signed_images):
+    down = Region("ap-south", closed_port_url().removeprefix("http://"), signed_images.repository)
+    result = evaluate(SignatureGate(), context(down, digest=signed_images.signed, trust=signed_images.trust))
+    assert result.outcome is GateOutcome.FAILED and result.transient
+    assert "region ap-south" in result.detail and "unreachable" in result.detail
