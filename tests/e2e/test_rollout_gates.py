@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, SignatureGate, SoakGate
+from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, SignatureGate, SmokeGate, SoakGate
 from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
 from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
 
@@ -240,3 +240,29 @@ def test_signature_gate_with_the_registry_down_fails_naming_the_region_and_may_b
     result = evaluate(SignatureGate(), context(down, digest=signed_images.signed, trust=signed_images.trust))
     assert result.outcome is GateOutcome.FAILED and result.transient
     assert "region ap-south" in result.detail and "unreachable" in result.detail
+
+
+# --- pull and smoke from the region's registry ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_workdir(tmp_path_factory, engine) -> Path:
+    """One workdir for the module's smoke gates, so pytest for the containers is installed once."""
+    return tmp_path_factory.mktemp("gates-smoke")
+
+
+def test_smoke_gate_fails_an_image_that_is_not_a_paddle_image(tmp_path, smoke_workdir):
+    repository = f"imagebuild-e2e/gates-smoke-{uuid.uuid4().hex[:10]}"
+    digest = push_tiny_image(tmp_path, f"{EU_WEST.registry}/{repository}:plain", base="127.0.0.1:5000/imagebuild/debian:12")
+    region = Region(EU_WEST.name, EU_WEST.registry, repository)
+    result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                     workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "region eu-west" in result.detail and "io.imagebuild.variant" in result.detail
+
+
+def test_smoke_gate_fails_when_the_region_does_not_have_the_image(smoke_workdir):
+    region = Region(EU_WEST.name, EU_WEST.registry, f"imagebuild-e2e/gates-missing-{uuid.uuid4().hex[:10]}")
+    result = evaluate(SmokeGate(tier="abi"), context(region, digest=DIGEST, workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "region eu-west" in result.detail and "not found" in result.detail
