@@ -26,6 +26,7 @@ import math
 import os
 import re
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -458,7 +459,25 @@ def _signature(spec: SignatureGate, ctx: GateContext) -> Check:
     return GateOutcome.PASSED, f"{where}: {verdict.reason}", None
 
 
+# Smoke runs that passed in this process, by (image, tier): the reconciler asks every gate of a wave
+# again while any one is WAITING, and a passed smoke run (minutes) need not be repeated for that.
+_SMOKE_PASSED: dict[tuple[str, str], str] = {}
+_SMOKE_LOCK = threading.Lock()
+
+
 def _smoke(spec: SmokeGate, ctx: GateContext) -> Check:
+    with _SMOKE_LOCK:
+        passed = _SMOKE_PASSED.get((ctx.image, spec.tier))
+    if passed is not None:
+        return GateOutcome.PASSED, passed, None
+    outcome, detail, retry = _run_smoke(spec, ctx)
+    if outcome is GateOutcome.PASSED:
+        with _SMOKE_LOCK:
+            _SMOKE_PASSED[(ctx.image, spec.tier)] = detail
+    return outcome, detail, retry
+
+
+def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
     import docker.errors
     import requests
 

@@ -3,6 +3,7 @@ registries with cosign signatures, and the smoke suite in Docker."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -266,3 +267,42 @@ def test_smoke_gate_fails_when_the_region_does_not_have_the_image(smoke_workdir)
     result = evaluate(SmokeGate(tier="abi"), context(region, digest=DIGEST, workdir=smoke_workdir))
     assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
     assert "region eu-west" in result.detail and "not found" in result.detail
+
+
+CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
+PADDLE_IN_REGION = "imagebuild-e2e/gates-paddle"  # fixed: a rerun finds the layers already there
+
+
+@pytest.fixture(scope="module")
+def paddle_in_eu_west(built_example) -> tuple[Region, str]:
+    """The example's CPU image copied by digest to the eu-west registry."""
+    [image] = [v["image"] for v in built_example.report["variants"] if v["id"] == CPU_VARIANT]
+    digest = image.split("@", 1)[1]
+    run_tool(str(CRANE), "copy", "--insecure", image, f"{EU_WEST.registry}/{PADDLE_IN_REGION}:cpu", timeout=1800)
+    return Region(EU_WEST.name, EU_WEST.registry, PADDLE_IN_REGION), digest
+
+
+def test_smoke_gate_passes_the_example_paddle_image_pulled_from_the_region(paddle_in_eu_west, smoke_workdir):
+    region, digest = paddle_in_eu_west
+    result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                     workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.PASSED, result.detail
+    assert "0 failed" in result.detail and "tier abi" in result.detail
+    # Asked again while the wave's other gates wait: the passed run is not repeated.
+    shutil.rmtree(smoke_workdir / "smoke" / "eu-west")
+    again = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                    workdir=smoke_workdir))
+    assert again.outcome is GateOutcome.PASSED and again.detail == result.detail
+    assert not (smoke_workdir / "smoke" / "eu-west").exists()
+
+
+def test_smoke_gate_fails_naming_the_tests_when_the_image_is_not_what_its_labels_say(paddle_in_eu_west,
+                                                                                     smoke_workdir):
+    region, digest = paddle_in_eu_west
+    mislabelled = run_tool(str(CRANE), "mutate", "--insecure", "--label", "io.imagebuild.paddle.version=0.0.1",
+                           "-t", f"{region.registry}/{PADDLE_IN_REGION}:mislabelled", region.image(digest))
+    digest = mislabelled.rsplit("@", 1)[1]
+    result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                     workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "smoke tests failed: " in result.detail and "test_paddle_imports_at_the_expected_version" in result.detail
