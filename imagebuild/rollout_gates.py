@@ -359,8 +359,23 @@ def _approval(spec: ApprovalGate, ctx: GateContext) -> Check:
 
 
 def _unreachable(what: str, ctx: GateContext, exc: BaseException, url: str = "") -> Check:
+    untrusted = _certificate_error(exc)
+    if untrusted is not None:  # retrying will not make the certificate trusted
+        return (GateOutcome.FAILED, f"region {ctx.region.name}: {what}: TLS certificate not trusted by the "
+                                    f"system CA store ({untrusted.verify_message or untrusted.reason})", None)
     reason = redact(_exception_text(exc), url) if url else _exception_text(exc)
     return GateOutcome.FAILED, f"region {ctx.region.name}: {what} unreachable: {reason}", UNREACHABLE_RETRY_S
+
+
+def _certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _exception_text(exc: BaseException) -> str:

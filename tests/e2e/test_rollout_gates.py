@@ -17,7 +17,7 @@ from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, S
 from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
 from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
 
-from .rollout_harness import HANG, closed_port_url, unique_metric
+from .rollout_harness import HANG, HealthServer, closed_port_url, self_signed_tls, unique_metric
 
 EU_WEST = Region("eu-west", "127.0.0.1:5001", "imagebuild/paddle")
 US_EAST = Region("us-east", "127.0.0.1:5002", "imagebuild/paddle")
@@ -146,6 +146,17 @@ def test_health_endpoint_down_or_hanging_fails_within_the_timeout_and_may_be_ret
     hung = evaluate(HttpGate(url=rollout_services.health.url, expect_status=200, timeout_s=1), context())
     assert time.monotonic() - started < 5
     assert hung.outcome is GateOutcome.FAILED and hung.transient and "Timeout" in hung.detail
+
+
+def test_health_endpoint_with_a_certificate_no_system_ca_trusts_fails_for_good(tmp_path):
+    server = HealthServer(tls=self_signed_tls(tmp_path / "tls"))
+    server.set("eu-west", 200)
+    try:
+        result = evaluate(HttpGate(url=server.url, expect_status=200, timeout_s=2), context())
+    finally:
+        server.stop()
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "certificate not trusted" in result.detail and server.requests == []
 
 
 # --- soak and approval in real time ------------------------------------------------------------------------
