@@ -506,6 +506,9 @@ def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
     workdir = (ctx.workdir or Path(".imagebuild/rollout")) / "smoke"
     try:
         client = smoke_run.docker_client()
+    except ToolMissing as exc:
+        return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
+    try:
         # Always from the region's registry, even when the engine has the image: the gate proves
         # the region serves it (layers the engine has are not downloaded again).
         client.images.pull(repository, tag=digest)
@@ -518,12 +521,14 @@ def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
             return smoke_run.SmokeRunner(client, options, out, harness)
 
         results = smoke_run.run_images((ctx.image,), None, make_runner)
-    except ToolMissing as exc:
+    except ToolMissing as exc:  # pytest for the containers could not be installed
         return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
     except docker.errors.NotFound as exc:
         return GateOutcome.FAILED, f"{where}: {ctx.image} not found: {_docker_text(exc)}", None
     except (docker.errors.DockerException, requests.RequestException) as exc:
         return GateOutcome.FAILED, f"{where}: cannot pull {ctx.image}: {_docker_text(exc)}", UNREACHABLE_RETRY_S
+    finally:
+        client.close()
     return smoke_check(results[0], where, spec.tier)
 
 
