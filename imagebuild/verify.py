@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
 from .attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from .oci_retry import QUICK_RETRIES
 from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
 from .source import InputError
 from .trust import PublicKey, Requirements, TrustConfig
@@ -441,7 +442,7 @@ class Verifier:
     def _registry(self, host: str) -> Registry:
         with self._lock:
             if host not in self._registries:
-                self._registries[host] = Registry(host, timeout=self.timeout_s)
+                self._registries[host] = Registry(host, timeout=self.timeout_s, retry=QUICK_RETRIES)
             return self._registries[host]
 
     def _verdict_for(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
