@@ -170,6 +170,7 @@ class RobotResult:
 @dataclass(frozen=True)
 class EnsureReport:
     url: str
+    harbor_version: str
     project: ProjectResult
     rules: tuple[RuleResult, ...]
     robot: RobotResult | None
@@ -180,7 +181,8 @@ class EnsureReport:
                 or (self.robot is not None and self.robot.action != "unchanged"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "changed": self.changed, "project": self.project.to_dict(),
+        return {"url": self.url, "harbor_version": self.harbor_version, "changed": self.changed,
+                "project": self.project.to_dict(),
                 "immutable_rules": [r.to_dict() for r in self.rules],
                 "robot": self.robot.to_dict() if self.robot else None}
 
@@ -359,7 +361,8 @@ def _is_our_rule(rule: ImmutableRule, pattern: str) -> bool:
 
 def robot_permissions(project: str, access: tuple[tuple[str, str], ...] = ROBOT_ACCESS) -> list[dict[str, Any]]:
     return [{"kind": "project", "namespace": project,
-             "access": [{"resource": resource, "action": action, "effect": "allow"} for resource, action in access]}]
+             # no "effect": Harbor's own UI sends none, and an absent effect allows
+             "access": [{"resource": resource, "action": action} for resource, action in access]}]
 
 
 def robot_request(project: str, spec: RobotSpec) -> dict[str, Any]:
@@ -499,7 +502,8 @@ class HarborClient:
                 # A request whose connection failed before sending is safe to repeat; one that
                 # may have reached Harbor is repeated only when repeating it is harmless.
                 sent = not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
-                if attempt > self.retries or (sent and method == "POST"):
+                untrusted = "CERTIFICATE_VERIFY_FAILED" in str(err)  # no retry makes the certificate trusted
+                if attempt > self.retries or (sent and method == "POST") or untrusted:
                     raise HarborUnavailable(f"cannot reach Harbor at {self.url} to {what}: "
                                             f"{_SAFE_TEXT.sub('?', str(err) or type(err).__name__)}") from None
                 time.sleep(retry_delay(attempt, self.backoff, None))
@@ -535,6 +539,19 @@ class HarborClient:
             yield from rows
             if len(rows) < page_size:
                 return
+
+    def harbor_version(self) -> str:
+        """Harbor's version from /systeminfo; HarborUnavailable when URL does not serve Harbor's v2.0 API."""
+        response = self.request("GET", "/systeminfo", what="read Harbor's system info", tolerate=(404,))
+        try:
+            info = response.json() if response.status_code == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise HarborUnavailable(f"{self.url} does not serve Harbor's API (GET {API}/systeminfo answered "
+                                    f"{response.status_code}{'' if info is None else ' with no JSON object'})",
+                                    response.status_code)
+        return str(info.get("harbor_version") or "unknown")
 
     # -- projects ------------------------------------------------------------------------
 
@@ -648,6 +665,7 @@ def ensure(client: HarborClient, setup: HarborSetup) -> EnsureReport:
         check_release_pattern(pattern)  # refuse bad input before changing anything
     if setup.robot is not None:
         check_name("robot", setup.robot.name)
+    version = client.harbor_version()
     project_result = client.ensure_project(setup.project, setup.settings)
     project = client.get_project(setup.project)
     if project is None:
@@ -655,4 +673,4 @@ def ensure(client: HarborClient, setup: HarborSetup) -> EnsureReport:
     rules = tuple(client.ensure_immutable_rule(project, pattern) for pattern in setup.immutable_tags)
     robot = (client.ensure_robot(project, setup.robot, rotate_secret=setup.rotate_secret)
              if setup.robot is not None else None)
-    return EnsureReport(client.url, project_result, rules, robot)
+    return EnsureReport(client.url, version, project_result, rules, robot)

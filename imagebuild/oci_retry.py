@@ -85,7 +85,7 @@ class RetryLog:
             self.reasons.append(reason)
 
 
-def _tls_failure(exc: BaseException) -> bool:
+def tls_failure(exc: BaseException) -> bool:
     """A certificate the client does not trust: retrying cannot help."""
     seen: BaseException | None = exc
     while seen is not None:
@@ -116,7 +116,7 @@ class RetryingTransport(httpx.BaseTransport):
             try:
                 response = self.inner.handle_request(request)
             except httpx.TransportError as exc:
-                if last_try or _tls_failure(exc) or isinstance(exc, httpx.UnsupportedProtocol):
+                if last_try or tls_failure(exc) or isinstance(exc, httpx.UnsupportedProtocol):
                     raise
                 error, reason, wait = exc, exc.__class__.__name__, self.policy.delay(retry, None, self._rng)
                 response = None

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from .oci_auth import AuthDenied, CredentialError, Credentials, DockerConfig, RegistryAuth, credentials_for
-from .oci_retry import RetryingTransport, RetryLog, RetryPolicy
+from .oci_retry import RetryingTransport, RetryLog, RetryPolicy, tls_failure
 
 MANIFEST_TYPES = ", ".join([
     "application/vnd.oci.image.manifest.v1+json",
@@ -186,8 +186,9 @@ class Registry:
                                     registry=self.registry, repository=repository,
                                     operation=operation or method, status=exc.status) from None
         except httpx.HTTPError as exc:
+            hint = " (the registry's certificate is not trusted: give its CA bundle)" if tls_failure(exc) else ""
             raise RegistryUnreachable(f"{self._where(repository)}: {operation or method}: {exc.__class__.__name__}: "
-                                      f"{_scrub(str(exc), self.auth)}", registry=self.registry,
+                                      f"{_scrub(str(exc), self.auth)}{hint}", registry=self.registry,
                                       repository=repository, operation=operation or method) from None
 
     def _fail(self, response: httpx.Response, operation: str, repository: str | None,
@@ -210,8 +211,8 @@ class Registry:
             raise self._fail(response, "ping", None)
 
     def check_access(self, repository: str, push: bool = False) -> None:
-        """Prove the credentials work for a repository now (a HEAD of a tag that need not exist)."""
-        method = "POST" if push else "HEAD"
+        """Prove the credentials work for a repository now, before any work depends on them:
+        a HEAD of a tag that need not exist (pull), or opening and cancelling an upload (push)."""
         if push:
             response = self._request("POST", f"/v2/{repository}/blobs/uploads/", repository=repository,
                                      operation="start upload")
@@ -219,7 +220,7 @@ class Registry:
                 self._request("DELETE", self._location(response), repository=repository, operation="cancel upload")
                 return
         else:
-            response = self._request(method, f"/v2/{repository}/manifests/imagebuild-access-check",
+            response = self._request("HEAD", f"/v2/{repository}/manifests/imagebuild-access-check",
                                      headers={"Accept": MANIFEST_TYPES}, repository=repository,
                                      operation="HEAD manifest")
             if response.status_code in (200, 404):
@@ -409,6 +410,29 @@ class Registry:
 
         copy_image(self, source_repository, digest, self, repository, tags=(tag,))
         return digest
+
+    def put_blob(self, repository: str, content: bytes) -> str:
+        """Upload a small blob in one request (monolithic upload); its digest. Present already: nothing sent."""
+        digest = "sha256:" + hashlib.sha256(content).hexdigest()
+        if self.blob_size(repository, digest) is not None:
+            return digest
+        url = str(httpx.URL(self.start_upload(repository)).copy_merge_params({"digest": digest}))
+        response = self._request("PUT", url, content=content, headers={"Content-Type": "application/octet-stream"},
+                                 repository=repository, operation="commit upload")
+        if response.status_code != 201:
+            raise self._fail(response, "commit upload", repository, digest)
+        return digest
+
+    def delete_manifest(self, repository: str, reference: str) -> bool:
+        """DELETE a manifest by digest (or a tag, where the registry allows it): False when it was not there.
+        Distribution 2.x deletes by digest only (and then every tag on it goes too); a refusal raises."""
+        response = self._request("DELETE", f"/v2/{repository}/manifests/{reference}", repository=repository,
+                                 operation="DELETE manifest")
+        if response.status_code == 404:
+            return False
+        if response.status_code not in (200, 202):
+            raise self._fail(response, "DELETE manifest", repository, reference)
+        return True
 
 
 def _scrub(text: str, auth: RegistryAuth) -> str:

@@ -6,16 +6,18 @@ so these tests also prove the client speaks Harbor's API as Harbor describes it.
 """
 from __future__ import annotations
 
+import http.server
 import json
 import socket
 import stat
+import threading
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_imagebuild
-from tests.harbor_standin import HarborSpec, HarborStandIn
-from tests.harbor_standin.tls import make_pki
+from .conftest import run_imagebuild
+from .harbor_standin import HarborSpec, HarborStandIn
+from .harbor_standin.tls import make_pki
 
 ADMIN_PASSWORD = "Canary-Admin-Pw-7f3a9"  # a canary: it must never show in any output
 DIGEST = "sha256:" + "5e" * 32
@@ -80,14 +82,14 @@ def test_a_second_run_changes_nothing_and_says_so(standin, tmp_path):
     again = ensure(standin, "--robot", "ci", "--format", "json", "--secret-file", tmp_path / "unused.secret")
     assert again.returncode == 0, again.stderr
     report = json.loads(again.stdout)
-    assert report["changed"] is False
+    assert report["changed"] is False and report["harbor_version"] == "v2.14.0-standin"
     assert report["project"]["action"] == "unchanged"
     assert [r["action"] for r in report["immutable_rules"]] == ["unchanged"]
     assert report["robot"]["action"] == "unchanged" and report["robot"]["secret_issued"] is False
     assert writes(standin, mark) == []
     assert not (tmp_path / "unused.secret").exists()
     table = ensure(standin)
-    assert "nothing changed" in table.stdout
+    assert "Harbor v2.14.0-standin at http://127.0.0.1:" in table.stdout and "nothing changed" in table.stdout
     no_violations(standin)
 
 
@@ -225,6 +227,7 @@ def test_a_robot_without_push_rights_gets_them(standin):
     (["--project", "paddle", "--robot", "CI!"], {}, "--robot"),
     (["--project", "paddle", "--robot", "ci", "--robot-duration", "0"], {}, "--robot-duration"),
     (["--project", "paddle", "--rotate-secret"], {}, "need --robot"),
+    (["--project", "paddle", "--robot", "ci", "--secret-file", "/no/such/dir/s"], {}, "--secret-file"),
     (["--project", "paddle"], {"HARBOR_PASSWORD": ""}, "HARBOR_PASSWORD"),
     (["--project", "paddle"], {"HARBOR_USERNAME": ""}, "HARBOR_USERNAME"),
 ])
@@ -253,6 +256,27 @@ def test_harbor_down_exits_3_in_one_line():
     assert "cannot reach Harbor at" in one_error_line(result.stderr)
 
 
+def test_a_url_that_is_not_harbor_exits_3_before_anything_is_changed():
+    class NotHarbor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotHarbor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = harbor_cli("ensure", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--project", "paddle")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 3
+    assert "does not serve Harbor's API (GET /api/v2.0/systeminfo answered 404)" in one_error_line(result.stderr)
+
+
 def test_wrong_password_exits_3_in_one_line_without_echoing_it(standin):
     result = ensure(standin, password="Wrong-Pw-Canary-55")
     assert result.returncode == 3
@@ -279,10 +303,34 @@ def test_server_errors_and_rate_limits_are_retried_until_harbor_answers(standin)
     result = ensure(standin)
     assert result.returncode == 0, result.stderr
     statuses = [(r.operation, r.status) for r in standin.requests]
-    assert statuses[:3] == [("getProject", 500), ("getProject", 500), ("getProject", 404)]
+    assert [s for s in statuses if s[0] == "getProject"][:3] == [("getProject", 500), ("getProject", 500),
+                                                                 ("getProject", 404)]
     assert ("createProject", 429) in statuses and ("createProject", 201) in statuses
     assert ("CreateImmuRule", 503) in statuses and ("CreateImmuRule", 201) in statuses
     assert len(standin.rules[standin.project("paddle")["project_id"]]) == 1
+    no_violations(standin)
+
+
+def test_a_project_created_but_its_answer_lost_is_finished_by_the_retry(standin):
+    standin.inject(502, 1, operation="createProject", after_effect=True)
+    result = ensure(standin, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    statuses = [(r.operation, r.status) for r in standin.requests if r.operation == "createProject"]
+    assert statuses == [("createProject", 502), ("createProject", 409)]
+    assert standin.project("paddle")["metadata"]["enable_content_trust_cosign"] == "true"
+    assert len([p for p in standin.projects.values() if p["name"] == "paddle"]) == 1
+    no_violations(standin)
+
+
+def test_a_robot_created_but_its_answer_lost_is_found_and_its_secret_can_be_rotated(standin):
+    standin.inject(500, 1, operation="CreateRobot", after_effect=True)
+    lost = ensure(standin, "--robot", "ci")
+    assert lost.returncode == 0, lost.stderr
+    assert "robot robot$paddle+ci: unchanged" in lost.stdout and "--rotate-secret issues a new one" in lost.stdout
+    assert standin.robot_named("robot$paddle+ci")["secret"] not in lost.stdout
+    rotated = ensure(standin, "--robot", "ci", "--rotate-secret")
+    assert rotated.returncode == 0 and rotated.stdout.strip().splitlines()[-1] == standin.robot_named("robot$paddle+ci")["secret"]
+    assert len(standin.robots) == 1
     no_violations(standin)
 
 
@@ -314,9 +362,10 @@ def test_tls_with_a_private_ca(spec, tmp_path):
     server = HarborStandIn(spec, users={"admin": ADMIN_PASSWORD}, tls=pki.server_context()).start()
     try:
         assert server.url.startswith("https://")
-        untrusted = ensure(server, "--retries", "0")
+        untrusted = ensure(server)
         assert untrusted.returncode == 3
         assert "CERTIFICATE_VERIFY_FAILED" in one_error_line(untrusted.stderr)
+        assert server.requests == []  # the handshake failed: no request reached Harbor
         assert server.project("paddle") is None
         trusted = ensure(server, "--ca-bundle", pki.ca_pem, "--robot", "ci", "--secret-file", tmp_path / "ci.secret")
         assert trusted.returncode == 0, trusted.stderr

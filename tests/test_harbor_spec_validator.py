@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.harbor_standin import ADMIN, HarborSpec, HarborStandIn, SpecViolation
+from .harbor_standin import ADMIN, HarborSpec, HarborStandIn, SpecViolation
 
 JSON = {"content-type": "application/json"}
 DIGEST = "sha256:" + "ab" * 32

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from imagebuild import harbor
-from tests.harbor_standin import HarborSpec
+
+from .harbor_standin import HarborSpec
 
 DIGEST = "sha256:" + "0f" * 32
 

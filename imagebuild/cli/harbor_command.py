@@ -115,9 +115,9 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
                                                         "give --secret-file FILE for it")
     elif rotate_secret or secret_file is not None:
         raise InputError("--robot", None, "", "--rotate-secret and --secret-file need --robot NAME")
-    if secret_file is not None and not os.access(secret_file.parent or Path("."), os.W_OK):
-        raise InputError("--secret-file", None, "", f"cannot write in {secret_file.parent or Path('.')}")
-    credentials = _credentials(username, password_file)
+    if secret_file is not None and (secret_file.is_dir() or not os.access(secret_file.parent, os.W_OK)):
+        raise InputError("--secret-file", None, "", f"{secret_file}: not a file that can be written")
+    credentials = credentials_from(username, password_file)
     setup = harbor.HarborSetup(
         project=project, settings=harbor.ProjectSettings(public=public, severity=severity),
         immutable_tags=tuple(patterns), robot=robot, rotate_secret=rotate_secret)
@@ -126,7 +126,13 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
         report = harbor.ensure(client, setup)
     secret = report.robot.secret if report.robot is not None else None
     if secret is not None and secret_file is not None:
-        write_secret(secret_file, secret)
+        try:
+            write_secret(secret_file, secret)
+        except OSError as err:
+            click.echo(f"error: harbor: {report.robot.name if report.robot else 'the robot'} has a new secret, but "
+                       f"{secret_file} could not be written ({err.strerror or type(err).__name__}); run again with "
+                       f"--rotate-secret to issue another", err=True)
+            sys.exit(EXIT_FAILED)
     if output_format == "json":
         click.echo(json.dumps({**report.to_dict(), "secret_file": str(secret_file) if secret and secret_file else None},
                               indent=2))
@@ -170,7 +176,7 @@ def scan_overview_command(url: str, images: tuple[str, ...], ca_bundle: Path | N
             refs.append(harbor.parse_artifact(text))
         except ValueError as err:
             raise InputError("IMAGE", None, "", str(err)) from None
-    credentials = _credentials(username, password_file)
+    credentials = credentials_from(username, password_file)
     with _harbor_failures(), harbor.HarborClient(base_url, credentials, ca_bundle=_ca(ca_bundle),
                                                  retries=retries) as client:
         overviews = [client.scan_overview(ref) for ref in refs]
@@ -188,11 +194,15 @@ def write_secret(path: Path, secret: str) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, (secret + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
+        try:
+            os.write(fd, (secret + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _checked_url(url: str) -> str:
@@ -213,7 +223,8 @@ def _ca(ca_bundle: Path | None) -> Path | None:
     return ca_bundle
 
 
-def _credentials(username: str | None, password_file: Path | None) -> harbor.Credentials:
+def credentials_from(username: str | None, password_file: Path | None) -> harbor.Credentials:
+    """The Harbor user's credentials from the options and the environment (push uses it too)."""
     if not username:
         raise InputError("HARBOR_USERNAME", None, "", "set HARBOR_USERNAME (or --username) to the Harbor user")
     if password_file is not None:
@@ -248,7 +259,7 @@ def _print_report(report: harbor.EnsureReport) -> None:
     if project.action == "unchanged":
         click.echo(f"project {project.name}: unchanged")
     else:
-        changes = ", ".join(f"{k} {b or '-'} -> {a}" if b is not None or project.action != "created" else f"{k}={a}"
+        changes = ", ".join(f"{k} {b or 'unset'} -> {a}" if b is not None or project.action != "created" else f"{k}={a}"
                             for k, (b, a) in project.changes.items())
         click.echo(f"project {project.name}: {project.action} ({changes})")
     for rule in report.rules:
@@ -257,8 +268,9 @@ def _print_report(report: harbor.EnsureReport) -> None:
         robot = report.robot
         expires = ("never expires" if robot.expires_at == -1 else
                    f"expires {dt.datetime.fromtimestamp(robot.expires_at, dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
-        click.echo(f"robot {robot.name}: {robot.action}, {expires}")
-    click.echo(f"Harbor {report.url}: {'changed' if report.changed else 'nothing changed'}")
+        hint = "; its secret is not shown again (--rotate-secret issues a new one)" if robot.secret is None else ""
+        click.echo(f"robot {robot.name}: {robot.action}, {expires}{hint}")
+    click.echo(f"Harbor {report.harbor_version} at {report.url}: {'changed' if report.changed else 'nothing changed'}")
 
 
 def _overview_line(overview: harbor.ScanOverview) -> str:

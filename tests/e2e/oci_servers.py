@@ -180,6 +180,8 @@ class TokenIssuer:
     issuer: str = "imagebuild-test-issuer"
     lifetime_s: int = 300
     requests: list[TokenRequest] = field(default_factory=list)
+    # OAuth2 refresh tokens (docker's `identitytoken`) -> the user they stand for.
+    refresh_tokens: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.key, self.cert = self_signed("imagebuild test token issuer", ca=False)
@@ -194,6 +196,9 @@ class TokenIssuer:
             def do_GET(self) -> None:
                 issuer._answer(self)
 
+            def do_POST(self) -> None:
+                issuer._answer(self)
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -205,20 +210,32 @@ class TokenIssuer:
     def stop(self) -> None:
         self.server.shutdown()
 
+    def _refuse(self, handler: BaseHTTPRequestHandler, account: str | None, scopes: list[str]) -> None:
+        self.requests.append(TokenRequest(account, scopes, []))
+        handler.send_response(401)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
     def _answer(self, handler: BaseHTTPRequestHandler) -> None:
         query = parse_qs(urlsplit(handler.path).query)
+        if handler.command == "POST":  # the OAuth2 refresh-token grant
+            length = int(handler.headers.get("Content-Length") or 0)
+            query = parse_qs(handler.rfile.read(length).decode())
         scopes = [s for value in query.get("scope", []) for s in value.split(" ") if s]
         account: str | None = None
         allowed: tuple[str, ...] = ()
         header = handler.headers.get("Authorization", "")
-        if header.startswith("Basic "):
+        if handler.command == "POST":
+            user = self.refresh_tokens.get((query.get("refresh_token") or [""])[0])
+            if query.get("grant_type") != ["refresh_token"] or user is None:
+                self._refuse(handler, None, scopes)
+                return
+            account, allowed = user, self.users[user][1]
+        elif header.startswith("Basic "):
             user, _, password = base64.b64decode(header[6:]).decode().partition(":")
             known = self.users.get(user)
             if not known or known[0] != password:
-                self.requests.append(TokenRequest(user, scopes, []))
-                handler.send_response(401)
-                handler.send_header("Content-Length", "0")
-                handler.end_headers()
+                self._refuse(handler, user, scopes)
                 return
             account, allowed = user, known[1]
         access, granted = [], []

@@ -86,6 +86,7 @@ class Injected:
     remaining: int
     operation: str | None
     retry_after: str | None
+    after_effect: bool  # the operation is carried out, and its answer lost (a proxy timing out)
 
 
 @dataclass
@@ -189,10 +190,11 @@ class HarborStandIn:
     # -- what tests arrange and inspect ---------------------------------------------------
 
     def inject(self, status: int, times: int = 1, *, operation: str | None = None,
-               retry_after: str | None = None) -> None:
-        """Answer the next TIMES requests (to OPERATION, an operationId, if given) with STATUS."""
+               retry_after: str | None = None, after_effect: bool = False) -> None:
+        """Answer the next TIMES requests (to OPERATION, an operationId, if given) with STATUS;
+        AFTER_EFFECT: carry each out first, so only its answer is lost."""
         with self.lock:
-            self._faults.append(Injected(status, times, operation, retry_after))
+            self._faults.append(Injected(status, times, operation, retry_after, after_effect))
 
     def add_project(self, name: str, metadata: dict[str, str] | None = None) -> dict[str, Any]:
         with self.lock:
@@ -260,7 +262,10 @@ class HarborStandIn:
             reply = _error(400, "BAD_REQUEST", "; ".join(problems))
             reply.headers["X-Standin-Unchecked"] = "1"  # the test fails on the request already
         else:
-            reply = self._fault_for(operation) or self._serve(operation, path_params, query, headers, parsed)
+            fault = self._fault_for(operation)
+            if fault is None or fault[1]:
+                served = self._serve(operation, path_params, query, headers, parsed)
+            reply = fault[0] if fault is not None else served
         with self.lock:
             self.requests.append(Seen(method, parts.path, operation.operation_id, query, parsed, reply.status))
         return reply, operation
@@ -269,6 +274,8 @@ class HarborStandIn:
         if operation is None or reply.headers.get("X-Standin-Unchecked"):
             return
         if (operation.operation_id, reply.status) in KNOWN_UNDECLARED:
+            for problem in self.spec.definition_errors("Errors", json.loads(body or b"null"), request=False):
+                self._violation(f"{operation.operation_id} {reply.status}: {problem}")
             return
         for problem in self.spec.check_response(operation, reply.status, headers, body):
             self._violation(problem)
@@ -277,7 +284,7 @@ class HarborStandIn:
         with self.lock:
             self.violations.append(text)
 
-    def _fault_for(self, operation: Operation) -> Reply | None:
+    def _fault_for(self, operation: Operation) -> tuple[Reply, bool] | None:
         with self.lock:
             for fault in self._faults:
                 if fault.remaining > 0 and fault.operation in (None, operation.operation_id):
@@ -288,7 +295,7 @@ class HarborStandIn:
                         reply.headers["Retry-After"] = fault.retry_after
                     if str(fault.status) not in operation.responses:
                         reply.headers["X-Standin-Unchecked"] = "1"  # from the proxy in front: not Harbor's API
-                    return reply
+                    return reply, fault.after_effect
         return None
 
     def _serve(self, op: Operation, path: dict[str, str], query: dict[str, list[str]], headers: dict[str, str],
