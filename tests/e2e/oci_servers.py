@@ -271,7 +271,8 @@ class Fault:
 
     kinds: "status" (answer `status`, with Retry-After when given); "drop" (read the request,
     close the connection); "forward-drop" (the registry gets and handles the request, the
-    client never hears back); "cut" (forward, then close after half the response body).
+    client never hears back); "cut" (forward, then close after half the response body); "stall"
+    (forward, then stop sending after half the response body for `stall_s`, then close).
     """
 
     method: str
@@ -281,6 +282,7 @@ class Fault:
     status: int = 503
     retry_after: str | None = None
     after: int = 0  # let this many matching requests through first
+    stall_s: float = 5.0
     served: int = 0
     seen: int = 0
 
@@ -376,9 +378,12 @@ class FlakyProxy:
                 return
             sent = 0
             for piece in response.iter_raw():
-                if fault and fault.kind == "cut" and sent + len(piece) > total // 2:
+                if fault and fault.kind in ("cut", "stall") and sent + len(piece) > total // 2:
                     handler.wfile.write(piece[: total // 2 - sent])
-                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body cut in half")
+                    handler.wfile.flush()
+                    if fault.kind == "stall":
+                        time.sleep(fault.stall_s)
+                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body {fault.kind} in half")
                     self._close(handler)
                     return
                 handler.wfile.write(piece)

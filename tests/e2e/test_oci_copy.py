@@ -12,6 +12,8 @@ import logging
 import os
 import tracemalloc
 import uuid
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from pathlib import Path
 
 import httpx
@@ -373,6 +375,25 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
 
 
+def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it_stopped(
+        tools, tmp_path, region_registry):
+    repository = _unique("stall")
+    size, chunk = 24 * 1024 * 1024, 4 * 1024 * 1024
+    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    layer = manifest["layers"][0]
+    proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "stall", stall_s=6)])
+    try:
+        with Registry(proxy.host, timeout=1.5) as source, Registry(region_registry) as target:
+            result = copy_image(source, repository, digest, target, repository, tags=["stalled"],
+                                options=CopyOptions(chunk_size=chunk))
+    finally:
+        proxy.stop()
+    reads = [entry[2] for entry in proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
+    assert reads == ["forwarded (200)", "forwarded (206)"], "timed out, then read again with a Range request"
+    assert result.stats.bytes_uploaded == layer["size"] + manifest["config"]["size"]
+    assert skopeo_digest(tools, f"{region_registry}/{repository}:stalled") == digest
+
+
 def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools, tmp_path, region_registry):
     # The registry takes the fourth chunk but its answer is lost: Distribution then refuses the
     # session's stale URL, so the blob starts over in a new session.
@@ -397,8 +418,10 @@ def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools
 def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools, tmp_path, region_registry):
     repository = _unique("flaky")
     digest = crane_image(tools, tmp_path, repository)
+    in_four_seconds = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=4), usegmt=True)
     proxy = FlakyProxy(region_registry, [
         Fault("HEAD", r"/manifests/", "status", status=429, retry_after="1"),
+        Fault("HEAD", r"/manifests/", "status", status=429, retry_after=in_four_seconds),
         Fault("HEAD", r"/blobs/", "status", status=503, times=2),
         Fault("POST", r"/blobs/uploads/", "drop"),
         Fault("PUT", r"/manifests/flaky$", "status", status=502),
@@ -410,8 +433,9 @@ def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools
     finally:
         proxy.stop()
     assert result.digest == digest
-    assert [f.served for f in proxy.faults] == [1, 2, 1, 1]
-    assert log.retries == 5 and log.waited_s >= 1.0, log
+    assert [f.served for f in proxy.faults] == [1, 1, 2, 1, 1]
+    # 1 s, then what is left of the four (an HTTP date counts whole seconds), then short backoffs.
+    assert log.retries == 6 and log.waited_s >= 2.5, log
     assert skopeo_digest(tools, f"{region_registry}/{repository}:flaky") == digest
 
 
