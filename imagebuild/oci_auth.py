@@ -177,7 +177,7 @@ def _decode_auth(value: str, registry: str, path: Path) -> tuple[str, str]:
 @dataclass(frozen=True)
 class DockerConfig:
     path: Path
-    auths: dict[str, dict[str, str]]
+    auths: dict[str, dict[str, str]] = field(repr=False)  # holds secrets
     cred_helpers: dict[str, str]
     creds_store: str | None
 
