@@ -381,9 +381,9 @@ class FlakyProxy:
                 if fault and fault.kind in ("cut", "stall") and sent + len(piece) > total // 2:
                     handler.wfile.write(piece[: total // 2 - sent])
                     handler.wfile.flush()
+                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body {fault.kind} in half")
                     if fault.kind == "stall":
                         time.sleep(fault.stall_s)
-                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body {fault.kind} in half")
                     self._close(handler)
                     return
                 handler.wfile.write(piece)

@@ -349,9 +349,9 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     layer = manifest["layers"][0]
     chunks = -(-layer["size"] // chunk)
     assert chunks > 8
-    # The source drops the layer's stream half-way once (read again from there with a Range
-    # request); the third chunk is lost before it reaches the target.
-    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut")])
+    # The third chunk is lost before it reaches the target (the source is read again from that
+    # chunk's start); then the source's stream breaks off half-way (read again from there).
+    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut", after=1)])
     target_proxy = FlakyProxy(region_registry, [Fault("PATCH", r"/blobs/uploads/", "drop", after=2)])
     tracemalloc.start()
     try:
@@ -366,11 +366,13 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     assert peak < 4 * chunk, f"streamed: {peak} bytes at most in memory for a {layer['size']}-byte blob"
     assert target_proxy.faults[0].served == 1 and source_proxy.faults[0].served == 1
     assert result.stats.uploads_resumed == 1 and result.stats.uploads_restarted == 0
+    assert result.stats.source_reopened == 1
     patches = [entry for entry in target_proxy.log if entry[0] == "PATCH"]
     assert len(patches) == chunks + 1, "the lost chunk was sent again, nothing else"
     assert result.stats.bytes_uploaded == layer["size"] + chunk + manifest["config"]["size"]
     reads = [entry[2] for entry in source_proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
-    assert reads == ["forwarded (200), body cut in half", "forwarded (206)"], "picked up again, not restarted"
+    assert reads == ["forwarded (200)", "forwarded (206), body cut in half", "forwarded (206)"], \
+        "read again from the lost chunk, then from where the stream broke; never from the start"
     assert skopeo_digest(tools, f"{region_registry}/{repository}:big") == digest
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
 
@@ -389,7 +391,8 @@ def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it
     finally:
         proxy.stop()
     reads = [entry[2] for entry in proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
-    assert reads == ["forwarded (200)", "forwarded (206)"], "timed out, then read again with a Range request"
+    assert reads == ["forwarded (200), body stall in half", "forwarded (206)"], "timed out, read again from there"
+    assert result.stats.source_reopened == 1 and result.stats.uploads_resumed == 0
     assert result.stats.bytes_uploaded == layer["size"] + manifest["config"]["size"]
     assert skopeo_digest(tools, f"{region_registry}/{repository}:stalled") == digest
 
