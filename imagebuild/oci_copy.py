@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,52 @@ class _SourceBroke(Exception):
     """The source's blob stream broke off or ended early."""
 
 
+class _Prefetch:
+    """Reads a source stream on its own thread, a few pieces ahead, so that receiving from the
+    source overlaps sending to the target (sockets and hashing release the GIL)."""
+
+    DEPTH = 8  # pieces read ahead: at most DEPTH * READ_SIZE bytes held
+
+    def __init__(self, stream: Iterator[bytes], stack: ExitStack):
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(self.DEPTH)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stream, stack), daemon=True,
+                                        name="imagebuild-blob-prefetch")
+        self._thread.start()
+
+    def _put(self, item: bytes | BaseException | None) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, stream: Iterator[bytes], stack: ExitStack) -> None:
+        try:
+            with stack:
+                for piece in stream:
+                    if not self._put(piece):
+                        return
+                self._put(None)
+        except (RegistryError, httpx.HTTPError) as exc:
+            self._put(exc)
+
+    def items(self) -> Iterator[bytes]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stop(self) -> None:
+        """Abandon the stream: the thread closes it after its current read."""
+        self._stopped.set()
+
+
 class _BlobReader:
     """One source blob read in order, reopened with a Range request wherever the upload needs it next."""
 
@@ -90,16 +137,17 @@ class _BlobReader:
         self.source, self.repository, self.digest, self.read_size = source, repository, digest, read_size
         self.attempts = attempts  # reopenings in a row before giving up
         self.reopened = 0
-        self._stack: ExitStack | None = None
+        self._prefetch: _Prefetch | None = None
         self._stream: Iterator[bytes] | None = None
         self._position = 0  # the source offset of the next byte `pieces` yields
         self._leftover = b""
 
     def _open(self, offset: int) -> Iterator[bytes]:
         self.reset()
-        self._stack = ExitStack()
-        response = self._stack.enter_context(self.source.open_blob(self.repository, self.digest, offset))
-        self._position, self._stream = offset, response.iter_bytes(self.read_size)
+        stack = ExitStack()
+        response = stack.enter_context(self.source.open_blob(self.repository, self.digest, offset))
+        self._prefetch = _Prefetch(response.iter_bytes(self.read_size), stack)
+        self._position, self._stream = offset, self._prefetch.items()
         return self._stream
 
     def pieces(self, offset: int, length: int) -> Iterator[bytes]:
@@ -135,13 +183,9 @@ class _BlobReader:
 
     def reset(self) -> None:
         """Forget the open stream (it broke, or the upload goes on from elsewhere)."""
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            try:
-                stack.close()
-            except (RegistryError, httpx.HTTPError):
-                pass  # closing a broken stream
-        self._stream, self._leftover = None, b""
+        if self._prefetch is not None:
+            self._prefetch.stop()
+        self._prefetch, self._stream, self._leftover = None, None, b""
 
     close = reset
 
