@@ -88,7 +88,7 @@ class _Prefetch:
     """Reads a source stream on its own thread, a few pieces ahead, so that receiving from the
     source overlaps sending to the target (sockets and hashing release the GIL)."""
 
-    DEPTH = 8  # pieces read ahead: at most DEPTH * READ_SIZE bytes held
+    DEPTH = 4  # pieces read ahead: at most DEPTH * READ_SIZE bytes held
 
     def __init__(self, stream: Iterator[bytes], stack: ExitStack):
         self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(self.DEPTH)
@@ -126,8 +126,13 @@ class _Prefetch:
             yield item
 
     def stop(self) -> None:
-        """Abandon the stream: the thread closes it after its current read."""
+        """Abandon the stream: the thread closes it after its current read; what it read ahead is dropped."""
         self._stopped.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
 
 
 class _BlobReader:

@@ -363,7 +363,8 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
         tracemalloc.stop()
         source_proxy.stop()
         target_proxy.stop()
-    assert peak < 4 * chunk, f"streamed: {peak} bytes at most in memory for a {layer['size']}-byte blob"
+    # Streamed: what this process held at most (the two proxies included) is a fraction of the blob.
+    assert peak < layer["size"] // 3, f"{peak} bytes in memory at once for a {layer['size']}-byte blob"
     assert target_proxy.faults[0].served == 1 and source_proxy.faults[0].served == 1
     assert result.stats.uploads_resumed == 1 and result.stats.uploads_restarted == 0
     assert result.stats.source_reopened == 1
