@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the built-in example: set everything up (idempotent), then run the
 # pipeline on examples/local/matrix.yaml against the local staging registry:
-# validate, render check, plan, build, smoke tests, scan (+ SBOMs), vulnerability gate.
+# validate, render check, plan, build, smoke tests, scan (+ SBOMs), vulnerability gate, then sign
+# and attest with the key bootstrap made, verify, and write the admission policies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
@@ -23,4 +24,21 @@ imagebuild test --workdir "$workdir"
 python -c 'import sys; from pathlib import Path; from tests.e2e.trivydb import build_fixture_db; build_fixture_db(Path(sys.argv[1]))' "$trivy_cache"
 imagebuild scan --workdir "$workdir" --offline --cache-dir "$trivy_cache"
 imagebuild gate --workdir "$workdir" --policy examples/local/policy.yaml
-echo "done: build report with smoke, scan and gate results in $workdir/build-report.json"
+
+# The example's signing key: made by bootstrap outside the repository; cosign reads the
+# password from the environment only.
+keys=/var/lib/imagebuild/keys
+COSIGN_PASSWORD="$(cat "$keys/cosign.password")" imagebuild sign --workdir "$workdir" --key "$keys/cosign.key"
+# Every image of the report, by digest, as an admission controller would check it.
+mapfile -t images < <(python - "$workdir/build-report.json" <<'PY'
+import json, sys
+for variant in json.load(open(sys.argv[1]))["variants"]:
+    if variant.get("image"):
+        print(variant["image"])  # repository@sha256:...
+PY
+)
+imagebuild verify --config examples/local/trust.yaml "${images[@]}"
+# The policies embed this machine's public key, so they go to the workdir, not the repository.
+imagebuild policies generate --config examples/local/trust.yaml --out "$workdir/admission"
+echo "done: build report with smoke, scan, gate and sign results in $workdir/build-report.json;"
+echo "      admission policies for this machine's key in $workdir/admission/"
