@@ -3,9 +3,10 @@
 Only what the target lacks moves: a manifest the target already has by digest is skipped
 whole (a registry accepts a manifest only once its blobs and children are there), each blob
 is HEADed first, and on one registry a blob is mounted from the source repository instead of
-uploaded. Blobs are streamed in chunks and the digest of what was streamed is checked before
-the upload is committed; an interrupted chunk upload asks the registry how much it holds and
-continues from there. Manifests go last, children before their index, and tags after every
+uploaded. Other blobs stream from the source straight into PATCH windows (nothing held but a
+few reads), and the digest of what was streamed is checked before the upload is committed; an
+interrupted window asks the registry how much it holds and continues from there, and a source
+stream that breaks off is reopened where it stopped (a Range request). Manifests go last, children before their index, and tags after every
 manifest they reach (signatures included), so no tag ever names something incomplete.
 """
 from __future__ import annotations
