@@ -182,6 +182,7 @@ class TokenIssuer:
     requests: list[TokenRequest] = field(default_factory=list)
     # OAuth2 refresh tokens (docker's `identitytoken`) -> the user they stand for.
     refresh_tokens: dict[str, str] = field(default_factory=dict)
+    issued: list[str] = field(default_factory=list)  # every token handed out (none may be logged)
 
     def __post_init__(self) -> None:
         self.key, self.cert = self_signed("imagebuild test token issuer", ca=False)
@@ -255,6 +256,7 @@ class TokenIssuer:
         signing_input = f"{_b64url(json.dumps(header_json).encode())}.{_b64url(json.dumps(claims).encode())}"
         r, s = decode_dss_signature(self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
         token = f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+        self.issued.append(token)
         body = json.dumps({"token": token, "access_token": token, "expires_in": self.lifetime_s}).encode()
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")

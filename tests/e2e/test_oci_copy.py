@@ -196,7 +196,8 @@ def test_wrong_credentials_fail_in_one_line_naming_the_registry_and_never_the_se
 # --- token auth -----------------------------------------------------------------------------
 
 def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, tmp_path, token_registry,
-                                                                          token_service, passwords):
+                                                                          token_service, passwords, caplog):
+    caplog.set_level(logging.DEBUG)
     repository = _unique("token")
     first, second = crane_image(tools, tmp_path, repository), None
     before = len(token_service.requests)
@@ -209,6 +210,8 @@ def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, 
     assert any(f"repository:{repository}:pull,push" in request.granted for request in asked)
     # One token per scope (pull; pull+push), reused for every request of both copies.
     assert len(asked) <= 2, asked
+    for secret in (passwords[ROBOT], *token_service.issued):
+        assert secret not in caplog.text, "neither the password nor a token is logged"
     creds = f"{ROBOT}:{passwords[ROBOT]}"
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v1", creds=creds) == first
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v2", creds=creds) == second
