@@ -22,7 +22,14 @@ import pytest
 from imagebuild.oci_auth import Credentials
 from imagebuild.oci_copy import CopyOptions, copy_image, cosign_tag
 from imagebuild.oci_retry import RetryPolicy
-from imagebuild.registry import OCI_INDEX, OCI_MANIFEST, Registry, RegistryAuthError, RegistryError
+from imagebuild.registry import (
+    DOCKER_MANIFEST_LIST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Registry,
+    RegistryAuthError,
+    RegistryError,
+)
 
 from .conftest import STAGING
 from .oci_servers import (
@@ -299,16 +306,21 @@ def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools,
 
 # --- copies ---------------------------------------------------------------------------------
 
-def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry):
+@pytest.mark.parametrize(("flags", "media_type"), [
+    ([], OCI_INDEX),
+    (["--docker-empty-base"], DOCKER_MANIFEST_LIST),
+], ids=["oci-index", "docker-manifest-list"])
+def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry,
+                                                                              flags, media_type):
     repository = _unique("index")
     children = [crane_image(tools, tmp_path, f"{repository}-{n}") for n in range(2)]
     index_ref = f"{STAGING}/{repository}:multi"
-    run([tools["crane"], "index", "append", "--insecure", "-t", index_ref,
+    run([tools["crane"], "index", "append", "--insecure", *flags, "-t", index_ref,
          *[arg for n, d in enumerate(children) for arg in ("-m", f"{STAGING}/{repository}-{n}@{d}")]])
     index_digest = run([tools["crane"], "digest", "--insecure", index_ref]).stdout.strip()
     with Registry(STAGING) as source, Registry(region_registry) as target:
         first = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
-        assert first.media_type in (OCI_INDEX, "application/vnd.docker.distribution.manifest.list.v2+json")
+        assert first.media_type == media_type
         assert first.stats.manifests_put == 3 and first.stats.blobs_uploaded == 4 and first.stats.bytes_uploaded > 0
         again = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
     assert again.stats.bytes_uploaded == 0 and again.stats.blobs_uploaded == 0 and again.stats.manifests_put == 0
