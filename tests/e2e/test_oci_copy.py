@@ -485,7 +485,7 @@ def _cosign_env() -> dict[str, str]:
     return {**os.environ, "COSIGN_PASSWORD": password.read_text().strip()}
 
 
-def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
+def test_signatures_attestations_and_sboms_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
     repository = _unique("signed")
     digest = crane_image(tools, tmp_path, repository)
     env, ref = _cosign_env(), f"{STAGING}/{repository}@{digest}"
@@ -495,6 +495,10 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
     predicate.write_text(json.dumps({"status": "passed", "digest": digest}))
     run([tools["cosign"], "attest", "--key", str(KEYS / "cosign.key"), "--type", "https://imagebuild.dev/test/v1",
          "--predicate", str(predicate), *offline, ref], env=env)
+    sbom = tmp_path / "sbom.json"
+    sbom.write_text(json.dumps({"bomFormat": "CycloneDX", "specVersion": "1.5", "components": []}))
+    run([tools["cosign"], "attach", "sbom", "--sbom", str(sbom), "--type", "cyclonedx", "--input-format", "json",
+         "--allow-http-registry", "--allow-insecure-registry", ref], env=env)
     target_ref = f"{region_registry}/{repository}@{digest}"
     verify = [tools["cosign"], "verify", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
               "--allow-insecure-registry", "--allow-http-registry"]
@@ -503,12 +507,15 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
         assert run([*verify, target_ref], env=env, check=False).returncode != 0, "no signature copied by default"
         result = copy_image(source, repository, digest, target, repository, tags=["v1"],
                             options=CopyOptions(signatures=True))
-    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, "att"), cosign_tag(digest, "sig")]
+    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, kind) for kind in ("att", "sbom", "sig")]
     verified = run([*verify, "--output", "json", target_ref], env=env)
     assert json.loads(verified.stdout)[0]["critical"]["image"]["docker-manifest-digest"] == digest
     run([tools["cosign"], "verify-attestation", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
          "--allow-insecure-registry", "--allow-http-registry", "--type", "https://imagebuild.dev/test/v1",
          target_ref], env=env)
+    sbom_copied = run([tools["cosign"], "download", "sbom", "--allow-http-registry", "--allow-insecure-registry",
+                       target_ref], env=env)
+    assert json.loads(sbom_copied.stdout)["bomFormat"] == "CycloneDX"
 
 
 def _push_blob(registry: str, repository: str, content: bytes) -> dict:
