@@ -476,6 +476,29 @@ def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(t
     assert httpx.head(f"http://{region_registry}/v2/{repository}/manifests/never").status_code == 404
 
 
+def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_status(tools, tmp_path, region_registry):
+    repository = _unique("slow-down")
+    digest = crane_image(tools, tmp_path, repository)
+    proxy = FlakyProxy(region_registry, [Fault("HEAD", r"/manifests/", "status", status=429, retry_after="3600")])
+    try:
+        with Registry(STAGING) as source, Registry(proxy.host) as target:
+            with pytest.raises(RegistryError) as raised:
+                copy_image(source, repository, digest, target, repository)
+            assert target.retry_log.retries == 0
+    finally:
+        proxy.stop()
+    assert raised.value.status == 429 and "HEAD manifest answered HTTP 429" in str(raised.value)
+
+
+def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(region_registry):
+    repository = _unique("missing")
+    with Registry(STAGING) as source, Registry(region_registry) as target:
+        with pytest.raises(RegistryError) as raised:
+            copy_image(source, repository, "v1", target, repository, tags=["v1"])
+        assert target.list_tags(repository) == set()
+    assert str(raised.value) == f"{STAGING}/{repository}:v1: no such manifest" and raised.value.status == 404
+
+
 # --- signatures, attestations, referrers ----------------------------------------------------
 
 def _cosign_env() -> dict[str, str]:
