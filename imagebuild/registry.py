@@ -411,6 +411,29 @@ class Registry:
         copy_image(self, source_repository, digest, self, repository, tags=(tag,))
         return digest
 
+    def put_blob(self, repository: str, content: bytes) -> str:
+        """Upload a small blob in one request (monolithic upload); its digest. Present already: nothing sent."""
+        digest = "sha256:" + hashlib.sha256(content).hexdigest()
+        if self.blob_size(repository, digest) is not None:
+            return digest
+        url = str(httpx.URL(self.start_upload(repository)).copy_merge_params({"digest": digest}))
+        response = self._request("PUT", url, content=content, headers={"Content-Type": "application/octet-stream"},
+                                 repository=repository, operation="commit upload")
+        if response.status_code != 201:
+            raise self._fail(response, "commit upload", repository, digest)
+        return digest
+
+    def delete_manifest(self, repository: str, reference: str) -> bool:
+        """DELETE a manifest by digest (or a tag, where the registry allows it): False when it was not there.
+        Distribution 2.x deletes by digest only (and then every tag on it goes too); a refusal raises."""
+        response = self._request("DELETE", f"/v2/{repository}/manifests/{reference}", repository=repository,
+                                 operation="DELETE manifest")
+        if response.status_code == 404:
+            return False
+        if response.status_code not in (200, 202):
+            raise self._fail(response, "DELETE manifest", repository, reference)
+        return True
+
 
 def _scrub(text: str, auth: RegistryAuth) -> str:
     """An httpx message quotes URLs, never headers; still, no secret leaves in an error."""
