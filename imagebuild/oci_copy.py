@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryError
+from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryAuthError, RegistryError
 
 MiB = 1024 * 1024
 READ_SIZE = MiB  # one read from the source, the most a streamed upload holds at once
@@ -255,19 +255,31 @@ class _Copier:
         if self.target.blob_size(self.target_repository, digest) is not None:
             self.stats.add(blobs_present=1)
             return
-        if self.same_registry:
-            mounted_or_session = self.target.try_mount(self.target_repository, digest, self.source_repository)
-            if mounted_or_session is None:
-                self.stats.add(blobs_mounted=1)
-                return
-            location = mounted_or_session
-        else:
-            location = self.target.start_upload(self.target_repository)
+        location = self._mount_or_start(digest)
+        if location is None:
+            self.stats.add(blobs_mounted=1)
+            return
         if size <= SMALL_BLOB:
             self._upload_whole(location, digest)
         else:
             self._upload_chunked(location, digest, size)
         self.stats.add(blobs_uploaded=1)
+
+    def _mount_or_start(self, digest: str) -> str | None:
+        """Mount the blob (None), or the upload session the registry opened instead.
+
+        Across registries too, the mount names the source's repository path: a target that holds
+        a repository of that name with this blob (an earlier promotion, a mirror) mounts it, as
+        crane does; any other answers with the upload session the copy needs anyway, so asking
+        costs nothing. Only a refusal of that speculative mount (credentials scoped to the target
+        repository) costs a second request.
+        """
+        if self.same_registry:
+            return self.target.try_mount(self.target_repository, digest, self.source_repository)
+        try:
+            return self.target.try_mount(self.target_repository, digest, self.source_repository)
+        except RegistryAuthError:
+            return self.target.start_upload(self.target_repository)
 
     def _fail(self, operation: str, message: str, status: int | None = None) -> RegistryError:
         return RegistryError(f"{self.target.registry}/{self.target_repository}: {operation}: {message}",
