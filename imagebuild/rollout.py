@@ -40,7 +40,6 @@ from .trust import TrustConfig, load_trust_config
 from .verify import Verifier
 
 
-
 def _gates_module() -> Any:
     try:
         return importlib.import_module("imagebuild.rollout_gates")

@@ -15,12 +15,13 @@ from .admission_command import admission_group
 from .build_command import build
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
+from .rollout_command import rollout_group
 from .scan_commands import gate_command, scan
 from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "rollout")
 
 
 class PipelineGroup(click.Group):
@@ -56,6 +57,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
     cli.add_command(command)
 cli.add_command(verify_command)
 cli.add_command(admission_group)
+cli.add_command(rollout_group)
 
 
 def main() -> None:
