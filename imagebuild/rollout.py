@@ -702,9 +702,9 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     ref = ImageRef.parse(image)
     if not ref.digest:
         raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
+    steps = plan_rollout(config, ref.digest, channels)
     trust = _trust(config)
     out(f"source {image}: {check_source(trust, image)}")
-    steps = plan_rollout(config, ref.digest, channels)
     rollout_id = new_rollout_id()
     store = open_store(config)
     record = new_record(config, rollout_id, image, ref.digest, channels, steps)
