@@ -187,6 +187,32 @@ disable_packaged_registry() {
     fi
 }
 
+# Debian's prometheus (and prometheus-node-exporter, which it recommends) are enabled and
+# started by their postinst: :9090 and :9100 on all interfaces, scraping this host. The rollout
+# tests start their own Prometheus on a free loopback port, so the packaged ones are stopped and
+# disabled: with systemd through systemctl; without it (containers) through their init scripts
+# and update-rc.d (a policy-rc.d that exits 101 already kept them from starting there).
+disable_packaged_prometheus() {
+    local svc
+    for svc in prometheus prometheus-node-exporter; do
+        if [ -d /run/systemd/system ]; then
+            if systemctl is-enabled --quiet "$svc.service" 2>/dev/null \
+                || systemctl is-active --quiet "$svc.service" 2>/dev/null; then
+                log "disabling Debian's default $svc.service"
+                systemctl disable --now "$svc.service" >/dev/null 2>&1 || true
+            fi
+        elif [ -x "/etc/init.d/$svc" ]; then
+            if "/etc/init.d/$svc" status >/dev/null 2>&1; then
+                log "stopping Debian's default $svc service"
+                "/etc/init.d/$svc" stop >/dev/null 2>&1 || true
+            fi
+            if ls /etc/rc[2-5].d/S*"$svc" >/dev/null 2>&1; then
+                update-rc.d "$svc" disable >/dev/null 2>&1 || true
+            fi
+        fi
+    done
+}
+
 # ---------------------------------------------------------------------------------------
 # 2. Docker Engine + BuildKit
 
@@ -641,6 +667,7 @@ main() {
     start_go_tools                    # background: needs only Go and the module proxy
     install_apt_packages
     disable_packaged_registry
+    disable_packaged_prometheus
     in_background trivy install_trivy
     in_background python install_python_package
     start_dockerd
