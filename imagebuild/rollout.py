@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
-import importlib
 import json
 import os
 import secrets
@@ -31,23 +30,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import rollout_gates as gates
 from .oci_copy import CopyOptions, copy_image, cosign_tag
 from .oci_retry import RetryPolicy
 from .registry import OCI_MANIFEST, ImageRef, Registry, RegistryError, RegistryUnreachable
-from .release import GateSpec, Region, ReleaseConfig
+from .release import ApprovalGate, GateSpec, Region, ReleaseConfig
 from .rollout_plan import RollbackStep, Step, StepKind, plan_rollback, plan_rollout
 from .trust import TrustConfig, load_trust_config
 from .verify import Verifier
-
-
-def _gates_module() -> Any:
-    try:
-        return importlib.import_module("imagebuild.rollout_gates")
-    except ModuleNotFoundError:  # until the gates branch is merged: soak, signature and approval only
-        return importlib.import_module("imagebuild.rollout_gates_minimal")
-
-
-gates: Any = _gates_module()
 
 SCHEMA = 1
 RECORD_TYPE = "application/vnd.imagebuild.rollout.record.v1+json"
@@ -566,21 +556,24 @@ class Reconciler:
         state["state"] = "gating"
         if state.get("moved_at") is None:
             state["moved_at"] = time.time()
-        specs: list[tuple[GateSpec, Region]] = [(spec, self.config.region(name))
-                                               for spec in wave.gates for name in wave.regions]
+        # Each gate per region of the wave; approval is wave-wide, asked once.
+        specs: list[tuple[GateSpec, Region]] = [
+            (spec, self.config.region(name)) for spec in wave.gates
+            for name in (wave.regions[:1] if isinstance(spec, ApprovalGate) else wave.regions)]
         last_saved = 0.0
         last_line = ""
         while True:
             if self._abort_requested():
                 raise _Halt("abort requested while waiting on the gates", EXIT_HALTED, status="aborted")
             self.lease.renew()
-            approvals = self._approvals(step.wave) if any(s.kind == "approval" for s, _ in specs) else ()
+            approvals = self._approvals(step.wave) if any(isinstance(s, ApprovalGate) for s, _ in specs) else ()
             results = []
             for spec, region in specs:
                 ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
                                         digest=self.digest, channels=tuple(self.record["channels"]),
                                         moved_at=float(state["moved_at"]), approvals=approvals, trust=self.trust,
-                                        now=time.time())
+                                        now=time.time(), rollout_id=self.record["id"],
+                                        workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
             state["gates"] = [_result_dict(result) for result in results]
             failed = [r for r in results if r.outcome == gates.GateOutcome.FAILED]
