@@ -493,6 +493,7 @@ class Reconciler:
         sig = cosign_tag(self.digest, "sig")
         if self._in_region(region, lambda: target.head_manifest(region.repository, self.digest) is not None
                            and target.head_manifest(region.repository, sig) is not None):
+            self.journal.event("copy", region=region.name, to=self.digest, detail="already present with its signature")
             return {"copied": False, "detail": "already present with its signature"}
         source = Registry(self.source_registry, retry=_REGION_RETRIES)
         try:
@@ -542,6 +543,10 @@ class Reconciler:
         target = self.registry(region)
         current = self._in_region(region, lambda: target.head_manifest(region.repository, tag))
         if current == self.digest:
+            previous = self.record["previous"][key]
+            if previous != self.digest:  # moved by a run of this rollout killed before it recorded the move
+                self.journal.event("move-tag", wave=wave, region=region.name, tag=tag,
+                                   detail="found moved (a killed run moved it)", **{"from": previous, "to": self.digest})
             return {"moved": False, "detail": "already at the digest"}
         if region.name not in self._verified_here:
             self._verify_in(region)  # resumed: the region's copy is checked again before any tag points at it
