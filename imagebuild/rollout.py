@@ -60,6 +60,7 @@ RETRY_BASE_ENV = "IMAGEBUILD_ROLLOUT_RETRY_BASE_S"
 _CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW",
                  "GITHUB_SHA", "GITLAB_USER_LOGIN", "CI_PROJECT_PATH", "CI_PIPELINE_ID", "CI_JOB_ID", "BUILD_URL")
 _REGION_ATTEMPTS = 4  # a region's registry gets this many tries (backoff between) before the rollout halts
+_GATE_ATTEMPTS = 3  # a gate that cannot reach its service is asked this many times before the rollout halts
 _REGION_RETRIES = RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=1.0, max_elapsed_s=3.0, max_retry_after_s=5.0)
 
 
@@ -567,6 +568,7 @@ class Reconciler:
             for name in (wave.regions[:1] if isinstance(spec, ApprovalGate) else wave.regions)]
         last_saved = 0.0
         last_line = ""
+        unreachable: dict[tuple[str, str | None], int] = {}
         while True:
             if self._abort_requested():
                 raise _Halt("abort requested while waiting on the gates", EXIT_HALTED, status="aborted")
@@ -581,13 +583,22 @@ class Reconciler:
                                         workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
             state["gates"] = [_result_dict(result) for result in results]
-            failed = [r for r in results if r.outcome == gates.GateOutcome.FAILED]
+            # A gate whose service could not be reached says so with a retry_in_s: asked again a few
+            # times before the rollout halts on it.
+            failed = []
+            for result in results:
+                if result.outcome != gates.GateOutcome.FAILED:
+                    continue
+                key = (result.gate, result.region)
+                unreachable[key] = unreachable.get(key, 0) + 1
+                if result.retry_in_s is None or unreachable[key] >= _GATE_ATTEMPTS:
+                    failed.append(result)
             if failed:
                 state["state"] = "failed"
                 first = failed[0]
                 self.journal.event("gates", wave=step.wave, gates=state["gates"])
                 raise _Halt(f"wave {step.wave}: gate {first.gate} failed in region {first.region}: {first.detail}")
-            waiting = [r for r in results if r.outcome == gates.GateOutcome.WAITING]
+            waiting = [r for r in results if r.outcome != gates.GateOutcome.PASSED]
             if not waiting:
                 state["state"] = "passed"
                 self.journal.event("gates", wave=step.wave, gates=state["gates"])
