@@ -234,14 +234,15 @@ class Lease:
         self.renewed_at = now
 
     def renew(self, force: bool = False) -> None:
+        """Before every step: still ours? (else stop: another rollout overwrote it); rewritten when a third is used."""
         now = time.time()
-        if not force and now - self.renewed_at < self.ttl_s / 3:
-            return
         for tag, channel in zip(self.tags, sorted(self.channels)):
             held = self.store.read(tag)
             if not held or held.get("nonce") != self.nonce:
                 other = self.describe(held, now) if held else "the lease is gone"
                 raise LeaseHeld(f"lost the lease of channel '{channel}': {other}")
+        if not force and now - self.renewed_at < self.ttl_s / 3:
+            return
         mine = self._mine(now)
         for tag in self.tags:
             self.store.write(tag, mine, LEASE_TYPE)
