@@ -545,3 +545,19 @@ def test_the_signed_example_rolls_out_with_its_attestations(tmp_path, signed_exa
         for host in REGIONS.values():
             verdict = verifier.verify(f"{host}/{setup.repository}:stable")
             assert verdict.allowed, verdict.reason  # signature and all four attestations copied into each region
+
+
+def test_a_crashed_rollouts_lease_blocks_another_rollout_until_it_expires(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, lease_ttl="8s")
+    crashed = setup.start(setup.source("one"), env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "0"})
+    assert crashed.returncode == -signal.SIGKILL
+    killed_at = time.time()
+    other = setup.source("two")
+    refused = setup.start(other)
+    assert refused.returncode == 4, refused.stderr
+    assert f"rollout {rollout_id_of(crashed)}" in refused.stderr and "holds it for another" in refused.stderr
+    time.sleep(max(0.0, killed_at + 8.5 - time.time()))
+    proceeded = setup.start(other)
+    assert proceeded.returncode == 0, proceeded.stderr
+    assert setup.tag("eu-west", "stable") == other.split("@")[1]
