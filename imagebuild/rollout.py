@@ -47,6 +47,7 @@ CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
 EMPTY_CONFIG = b"{}"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 
+FINISHED = frozenset({"completed", "halted", "aborted", "rolled-back"})
 EXIT_DONE, EXIT_HALTED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_LEASE_HELD = 0, 1, 2, 3, 4
 
 # Test hooks: SIGKILL this process after step N's effect but before it is recorded (MIDSTEP),
@@ -204,9 +205,12 @@ class Lease:
         if float(held.get("expires_at", 0)) <= now:
             return False  # expired: its holder crashed or hung; recoverable by design
         # The same rollout, left behind by a process of ours that is gone (killed): take it over.
-        same_rollout_dead = (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
-                             and not _pid_alive(int(held.get("pid", 0))))
-        return not same_rollout_dead
+        if (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
+                and not _pid_alive(int(held.get("pid", 0)))):
+            return False
+        # A rollout that finished (killed between recording its end and releasing the lease) holds nothing.
+        record = self.store.read(record_tag(str(held.get("rollout", ""))))
+        return not (record and record.get("status") in FINISHED and held.get("rollout") != self.rollout_id)
 
     @staticmethod
     def describe(held: dict[str, Any], now: float) -> str:
@@ -747,8 +751,6 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lea
 def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path) -> tuple[Journal, Lease]:
     store = open_store(config)
     record = load_record(store, rollout_id)
-    if Path(record["release"]).resolve() != config.path.resolve():
-        pass  # another copy of the release file is fine; its regions decide where tags are
     return Journal(store, local_dir, record), lease_for(config, store, record)
 
 

@@ -408,7 +408,7 @@ def test_sigkill_at_every_step_then_resume_completes_and_no_region_ever_serves_a
     plus random-time kills. After each kill and each resume, every region's tag verifies (or is absent), and
     the resumed rollout completes with every step done once and every tag moved once."""
     setup = Setup(tmp_path)
-    setup.write(CANARY_THEN_REST)
+    setup.write(CANARY_THEN_REST, lease_ttl="10s")  # a kill before the record exists leaves a lease: short
     steps = 14  # canary: copy, verify, record, move, gates; rest: 2 copies, 2 verifies, 2 records, 2 moves, gates
     kills = [("IMAGEBUILD_ROLLOUT_KILL_MIDSTEP", n) for n in range(steps)]
     kills += [("IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP", n) for n in range(steps)]
@@ -421,11 +421,12 @@ def test_sigkill_at_every_step_then_resume_completes_and_no_region_ever_serves_a
             process = setup.popen("start", "--image", image, "--channel", "stable")
             time.sleep(random.uniform(0.8, 4.0))
             process.send_signal(signal.SIGKILL)
-            process.communicate(timeout=60)
-            runs = sorted(setup.state_dir.glob("2*.json"), key=lambda p: p.stat().st_mtime)
-            rollout_id = runs[-1].stem if runs else None
-            if rollout_id is None or json.loads(runs[-1].read_text())["digest"] != digest:
-                continue  # killed before it recorded itself: nothing to resume
+            _, err = process.communicate(timeout=60)
+            started = [line.split()[1].rstrip(":") for line in err.splitlines() if line.startswith("rollout ")]
+            if not started:  # killed before it recorded itself: nothing to resume; its lease may be left
+                time.sleep(10.5)
+                continue
+            rollout_id = started[0]
         else:
             run = setup.start(image, env={hook: str(step)})
             assert run.returncode == -signal.SIGKILL, (hook, step, run.stderr)
