@@ -422,6 +422,10 @@ class Reconciler:
                 last = exc
             except _RegionDown as exc:
                 last = exc
+            except RegistryError as exc:  # refused (auth, a bad manifest): retrying does not help
+                if exc.registry != region.registry:
+                    raise
+                raise _Halt(f"region {region.name} ({region.registry}): {exc}") from None
             if attempt + 1 < _REGION_ATTEMPTS:
                 delay = self.retry_base_s * 2 ** attempt
                 self.out(f"  region {region.name} ({region.registry}) unreachable; retrying in {delay:g}s")

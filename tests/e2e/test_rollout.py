@@ -393,6 +393,10 @@ def test_approval_gate_waits_for_approve(tmp_path):
     time.sleep(2)
     assert setup.tag("us-east", "stable") is None  # held at the canary's approval
     rollout_id = next(setup.state_dir.glob("2*.json")).stem
+    waiting = setup.status(rollout_id)  # progress, from the record in the registry
+    assert waiting["status"] == "running" and waiting["waves"]["canary"]["state"] == "gating"
+    assert [(g["gate"], g["outcome"]) for g in waiting["waves"]["canary"]["gates"]] == [("approval", "waiting")]
+    assert "gate canary/approval" in setup.cli("status", rollout_id).stdout
     assert setup.cli("approve", rollout_id, "--wave", "canary").returncode == 0
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
