@@ -26,6 +26,7 @@ import math
 import os
 import re
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -358,8 +359,23 @@ def _approval(spec: ApprovalGate, ctx: GateContext) -> Check:
 
 
 def _unreachable(what: str, ctx: GateContext, exc: BaseException, url: str = "") -> Check:
+    untrusted = _certificate_error(exc)
+    if untrusted is not None:  # retrying will not make the certificate trusted
+        return (GateOutcome.FAILED, f"region {ctx.region.name}: {what}: TLS certificate not trusted by the "
+                                    f"system CA store ({untrusted.verify_message or untrusted.reason})", None)
     reason = redact(_exception_text(exc), url) if url else _exception_text(exc)
     return GateOutcome.FAILED, f"region {ctx.region.name}: {what} unreachable: {reason}", UNREACHABLE_RETRY_S
+
+
+def _certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _exception_text(exc: BaseException) -> str:
@@ -458,7 +474,25 @@ def _signature(spec: SignatureGate, ctx: GateContext) -> Check:
     return GateOutcome.PASSED, f"{where}: {verdict.reason}", None
 
 
+# Smoke runs that passed in this process, by (image, tier): the reconciler asks every gate of a wave
+# again while any one is WAITING, and a passed smoke run (minutes) need not be repeated for that.
+_SMOKE_PASSED: dict[tuple[str, str], str] = {}
+_SMOKE_LOCK = threading.Lock()
+
+
 def _smoke(spec: SmokeGate, ctx: GateContext) -> Check:
+    with _SMOKE_LOCK:
+        passed = _SMOKE_PASSED.get((ctx.image, spec.tier))
+    if passed is not None:
+        return GateOutcome.PASSED, passed, None
+    outcome, detail, retry = _run_smoke(spec, ctx)
+    if outcome is GateOutcome.PASSED:
+        with _SMOKE_LOCK:
+            _SMOKE_PASSED[(ctx.image, spec.tier)] = detail
+    return outcome, detail, retry
+
+
+def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
     import docker.errors
     import requests
 
@@ -472,6 +506,9 @@ def _smoke(spec: SmokeGate, ctx: GateContext) -> Check:
     workdir = (ctx.workdir or Path(".imagebuild/rollout")) / "smoke"
     try:
         client = smoke_run.docker_client()
+    except ToolMissing as exc:
+        return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
+    try:
         # Always from the region's registry, even when the engine has the image: the gate proves
         # the region serves it (layers the engine has are not downloaded again).
         client.images.pull(repository, tag=digest)
@@ -484,12 +521,14 @@ def _smoke(spec: SmokeGate, ctx: GateContext) -> Check:
             return smoke_run.SmokeRunner(client, options, out, harness)
 
         results = smoke_run.run_images((ctx.image,), None, make_runner)
-    except ToolMissing as exc:
+    except ToolMissing as exc:  # pytest for the containers could not be installed
         return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
     except docker.errors.NotFound as exc:
         return GateOutcome.FAILED, f"{where}: {ctx.image} not found: {_docker_text(exc)}", None
     except (docker.errors.DockerException, requests.RequestException) as exc:
         return GateOutcome.FAILED, f"{where}: cannot pull {ctx.image}: {_docker_text(exc)}", UNREACHABLE_RETRY_S
+    finally:
+        client.close()
     return smoke_check(results[0], where, spec.tier)
 
 

@@ -13,6 +13,7 @@ import click
 
 from .admission_command import admission_group
 from .build_command import build
+from .harbor_command import harbor_group
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
 from .rollout_command import rollout_group
@@ -57,6 +58,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
     cli.add_command(command)
 cli.add_command(verify_command)
 cli.add_command(admission_group)
+cli.add_command(harbor_group)
 cli.add_command(rollout_group)
 
 

@@ -15,6 +15,7 @@ import math
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -52,9 +53,11 @@ def unique_metric(prefix: str = "job_error_ratio") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:8]}"
 
 
-def _quiet_server(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+def _quiet_server(handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, name=handler.__name__, daemon=True).start()
     return server
 
@@ -138,7 +141,7 @@ class HealthServer:
     """GET /healthz?region=NAME answers the status the test set for that region (404 when unset);
     HANG holds the request open until the server stops."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self._lock = threading.Lock()
         self._status: dict[str, int | str] = {}
         self._release = threading.Event()
@@ -164,8 +167,8 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._server = _quiet_server(Health)
-        self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._server = _quiet_server(Health, tls)
+        self.base = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
         self.url = self.base + "/healthz?region={region}"  # a release.yaml http gate's url
 
     def set(self, region: str, status: int | str) -> None:
@@ -181,6 +184,34 @@ class HealthServer:
         self._release.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+def self_signed_tls(folder: Path) -> ssl.SSLContext:
+    """A server context with a fresh self-signed certificate for 127.0.0.1 (trusted by no CA store)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    return context
 
 
 # --- Prometheus -----------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ registries with cosign signatures, and the smoke suite in Docker."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -16,7 +17,7 @@ from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, S
 from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
 from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
 
-from .rollout_harness import HANG, closed_port_url, unique_metric
+from .rollout_harness import HANG, HealthServer, closed_port_url, self_signed_tls, unique_metric
 
 EU_WEST = Region("eu-west", "127.0.0.1:5001", "imagebuild/paddle")
 US_EAST = Region("us-east", "127.0.0.1:5002", "imagebuild/paddle")
@@ -147,6 +148,17 @@ def test_health_endpoint_down_or_hanging_fails_within_the_timeout_and_may_be_ret
     assert hung.outcome is GateOutcome.FAILED and hung.transient and "Timeout" in hung.detail
 
 
+def test_health_endpoint_with_a_certificate_no_system_ca_trusts_fails_for_good(tmp_path):
+    server = HealthServer(tls=self_signed_tls(tmp_path / "tls"))
+    server.set("eu-west", 200)
+    try:
+        result = evaluate(HttpGate(url=server.url, expect_status=200, timeout_s=2), context())
+    finally:
+        server.stop()
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "certificate not trusted" in result.detail and server.requests == []
+
+
 # --- soak and approval in real time ------------------------------------------------------------------------
 
 
@@ -266,3 +278,42 @@ def test_smoke_gate_fails_when_the_region_does_not_have_the_image(smoke_workdir)
     result = evaluate(SmokeGate(tier="abi"), context(region, digest=DIGEST, workdir=smoke_workdir))
     assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
     assert "region eu-west" in result.detail and "not found" in result.detail
+
+
+CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
+PADDLE_IN_REGION = "imagebuild-e2e/gates-paddle"  # fixed: a rerun finds the layers already there
+
+
+@pytest.fixture(scope="module")
+def paddle_in_eu_west(built_example) -> tuple[Region, str]:
+    """The example's CPU image copied by digest to the eu-west registry."""
+    [image] = [v["image"] for v in built_example.report["variants"] if v["id"] == CPU_VARIANT]
+    digest = image.split("@", 1)[1]
+    run_tool(str(CRANE), "copy", "--insecure", image, f"{EU_WEST.registry}/{PADDLE_IN_REGION}:cpu", timeout=1800)
+    return Region(EU_WEST.name, EU_WEST.registry, PADDLE_IN_REGION), digest
+
+
+def test_smoke_gate_passes_the_example_paddle_image_pulled_from_the_region(paddle_in_eu_west, smoke_workdir):
+    region, digest = paddle_in_eu_west
+    result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                     workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.PASSED, result.detail
+    assert "0 failed" in result.detail and "tier abi" in result.detail
+    # Asked again while the wave's other gates wait: the passed run is not repeated.
+    shutil.rmtree(smoke_workdir / "smoke" / "eu-west")
+    again = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                    workdir=smoke_workdir))
+    assert again.outcome is GateOutcome.PASSED and again.detail == result.detail
+    assert not (smoke_workdir / "smoke" / "eu-west").exists()
+
+
+def test_smoke_gate_fails_naming_the_tests_when_the_image_is_not_what_its_labels_say(paddle_in_eu_west,
+                                                                                     smoke_workdir):
+    region, digest = paddle_in_eu_west
+    mislabelled = run_tool(str(CRANE), "mutate", "--insecure", "--label", "io.imagebuild.paddle.version=0.0.1",
+                           "-t", f"{region.registry}/{PADDLE_IN_REGION}:mislabelled", region.image(digest))
+    digest = mislabelled.rsplit("@", 1)[1]
+    result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
+                                                     workdir=smoke_workdir))
+    assert result.outcome is GateOutcome.FAILED and not result.transient, result.detail
+    assert "smoke tests failed: " in result.detail and "test_paddle_imports_at_the_expected_version" in result.detail
