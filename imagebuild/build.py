@@ -23,7 +23,7 @@ from docker.errors import DockerException
 
 from . import publish
 from .matrix import Matrix
-from .plan import Plan, Variant, build_plan, plan_record
+from .plan import Plan, Variant, build_plan, plan_record, with_ancestors
 from .registry import ImageRef, Registry, RegistryError, head_many
 from .render import check_tree
 from .report import (
@@ -86,14 +86,15 @@ def resolve_roots(matrix: Matrix) -> dict[str, str]:
 
 
 def registry_plan(plan: Plan, variants: Iterable[Variant], resolve_digests: bool = True,
-                  event_hooks: dict | None = None) -> BuildReport:
+                  event_hooks: dict | None = None, layer_keys: Iterable[str] = ()) -> BuildReport:
     """Which layer keys does the cache repository hold already?
 
     A build needs each layer's digest: one HEAD per distinct layer, concurrently. A plan
     needs only existence, which one tags/list request answers for every layer at once.
+    `layer_keys` adds those layers and their parents without their variants (`build --layers`).
     """
     variants = list(variants)
-    keys = list(dict.fromkeys(k for v in variants for k in v.chain))
+    keys = list(dict.fromkeys([*(k for v in variants for k in v.chain), *with_ancestors(plan, layer_keys)]))
     cache = ImageRef.parse(plan.cache_ref)
     found: dict[tuple[str, str], str | None] = {}
     if resolve_digests:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
 from .render import render_template
-from .source import PathKey
+from .source import InputError, PathKey, suggest
 
 KEY_VERSION = 1
 
@@ -369,6 +369,42 @@ def _check_unique_tags(matrix: Matrix, variants: list[Variant]) -> None:
                                             f"tag '{tag}' is given to both {owner[tag]} and {v.id}; "
                                             "add {py_suffix} or {os} to the template")
             owner[tag] = v.id
+
+
+MIN_KEY_PREFIX = 8
+
+
+def find_layers(the_plan: Plan, refs: Iterable[str], option: str = "--layers") -> list[str]:
+    """The keys `refs` name (a key, a unique key prefix of 8+ hex digits, or a path like base/debian12).
+
+    Bad input (unknown, ambiguous, too short) raises InputError naming `option`.
+    """
+    by_path = {layer.path: key for key, layer in the_plan.layers.items()}
+    keys: list[str] = []
+    for ref in refs:
+        if ref in by_path:
+            keys.append(by_path[ref])
+            continue
+        matches = [k for k in the_plan.layers if k.startswith(ref)] if len(ref) >= MIN_KEY_PREFIX else []
+        if len(matches) == 1:
+            keys.append(matches[0])
+        elif matches:
+            raise InputError(option, None, ref, f"matches {len(matches)} layers; give more of the key")
+        else:
+            raise InputError(option, None, ref, "names no layer of the plan (a content key, a prefix of "
+                                                f"{MIN_KEY_PREFIX}+ of its digits, or a path){suggest(ref, by_path)}")
+    return list(dict.fromkeys(keys))
+
+
+def with_ancestors(the_plan: Plan, keys: Iterable[str]) -> list[str]:
+    """`keys` and every layer they are built on, parents first (the plan's order)."""
+    wanted: set[str] = set()
+    for key in keys:
+        current: str | None = key
+        while current is not None and current not in wanted:
+            wanted.add(current)
+            current = the_plan.layers[current].parent
+    return [k for k in the_plan.layers if k in wanted]
 
 
 # --- what `plan --format json|github-matrix` prints ---------------------------------------

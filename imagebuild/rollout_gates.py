@@ -305,7 +305,7 @@ def judge(series: list[Series], spec: PrometheusGate, window: Window | None, sin
                                         f"(waited {seconds_text(deadline)})", None)
         return GateOutcome.WAITING, f"no data for the query yet (fails {seconds_text(deadline)} after the move)", POLL_S
     # Shown: the newest point of each series, the one nearest its threshold.
-    newest = {}
+    newest: dict[tuple[tuple[str, str], ...], tuple[float, float, dict[str, str]]] = {}
     for at, value, labels in points:
         key = tuple(sorted(labels.items()))
         if key not in newest or at >= newest[key][0]:

@@ -157,11 +157,14 @@ preflight() {
 # 1. Debian packages
 
 install_apt_packages() {
-    local missing=() pkg
+    local missing=() lean=() pkg
     for pkg in $APT_PACKAGES; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
     done
-    if [ "${#missing[@]}" -eq 0 ]; then
+    for pkg in $APT_PACKAGES_NO_RECOMMENDS; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || lean+=("$pkg")
+    done
+    if [ "${#missing[@]}" -eq 0 ] && [ "${#lean[@]}" -eq 0 ]; then
         summary "apt packages" "-" "present"
         return
     fi
@@ -169,11 +172,19 @@ install_apt_packages() {
     # needrestart (recommended by docker.io) would otherwise ask questions or restart
     # services at the end of the install.
     NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get update -qq
-    NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq \
-        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        "${missing[@]}" >"$LOG_DIR/apt-install.log" 2>&1 \
-        || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
-    summary "apt packages" "${#missing[@]} new" "installed"
+    if [ "${#missing[@]}" -gt 0 ]; then
+        NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq \
+            -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+            "${missing[@]}" >"$LOG_DIR/apt-install.log" 2>&1 \
+            || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
+    fi
+    if [ "${#lean[@]}" -gt 0 ]; then
+        NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq --no-install-recommends \
+            -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+            "${lean[@]}" >>"$LOG_DIR/apt-install.log" 2>&1 \
+            || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
+    fi
+    summary "apt packages" "$(( ${#missing[@]} + ${#lean[@]} )) new" "installed"
 }
 
 # Debian's docker-registry package ships a service on :5000 (all interfaces, htpasswd

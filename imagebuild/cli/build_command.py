@@ -8,10 +8,12 @@ from pathlib import Path
 import click
 
 from .. import build as building
+from .. import plan as planning
 from .. import report as reporting
 from ..matrix import load_matrix
 from ..progress import progress_for
 from ..selection import Selection
+from ..source import InputError
 from .common import (
     EXIT_FAILED,
     _revision,
@@ -29,6 +31,9 @@ from .common import (
 @click.command()
 @matrix_option
 @only_option
+@click.option("--layers", "layer_refs", multiple=True, metavar="LAYER[,LAYER...]",
+              help="Build these layers (content key, 8+ digit prefix, or path like base/debian12) and "
+                   "the parents they need, tagging no variant; alone, no variant is selected.")
 @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Independent layers built at once.")
 @click.option("--dry-run", is_flag=True, help="Plan against the registry and write the report; build nothing.")
@@ -47,7 +52,7 @@ from .common import (
 @revision_option
 @format_option("table", "json")
 @reports_input_errors
-def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
+def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
           workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], push_with: str,
           revision: str | None, output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
@@ -61,13 +66,19 @@ def build(matrix_path: Path, only: tuple[str, ...], jobs: int, dry_run: bool, do
       imagebuild build --matrix examples/local/matrix.yaml
       imagebuild build --only device=cpu --jobs 4
       imagebuild build --dry-run --format json     # what would be built
+      imagebuild build --layers base/debian12      # one shared layer (CI's first fan-out level)
     """
     selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
     the_plan = building.prepare(matrix, rev, created)
-    variants = selection.choose(the_plan.variants, str(matrix_path))
-    report = building.registry_plan(the_plan, variants)
+    refs = [ref.strip() for refs in layer_refs for ref in refs.split(",") if ref.strip()]
+    if layer_refs and not refs:
+        raise InputError("--layers", None, "", "names no layer")
+    layers = planning.find_layers(the_plan, refs)
+    # --layers alone builds layers, no variant; with --only, both.
+    variants = selection.choose(the_plan.variants, str(matrix_path)) if selection or not layers else []
+    report = building.registry_plan(the_plan, variants, layer_keys=layers)
     report.revision = rev
     secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,

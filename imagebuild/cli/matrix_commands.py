@@ -9,9 +9,11 @@ import click
 from rich.table import Table
 
 from .. import build as building
+from .. import fanout as fanning
 from .. import plan as planning
 from .. import report as reporting
-from ..matrix import load_matrix
+from ..matrix import Matrix, load_matrix
+from ..registry import ImageRef, Registry
 from ..render import check_tree, write_tree
 from ..selection import Selection
 from ..support import load_support_table, version_key
@@ -31,13 +33,17 @@ from .common import (
 
 @click.command()
 @matrix_option
-@format_option("table", "json", "github-matrix")
+@format_option("table", "json", "github-matrix", "github-fanout", "github-output")
 @registry_option
 @only_option
 @revision_option
+@click.option("--layer-levels", type=click.IntRange(1, 16), default=fanning.LAYER_LEVELS, show_default=True,
+              help="github-fanout/-output: levels of shared-layer jobs before the variant jobs.")
+@click.option("--shards", type=click.IntRange(1, 64), default=fanning.VARIANT_SHARDS, show_default=True,
+              help="github-fanout/-output: matrices of variant jobs (256 jobs each at most).")
 @reports_input_errors
 def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[str, ...],
-         revision: str | None) -> None:
+         revision: str | None, layer_levels: int, shards: int) -> None:
     """Show the variants, their tags and layer chains; shared layers are marked.
 
     With --registry, also what a build would do: "N to build, M reused" per layer.
@@ -48,10 +54,21 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
       imagebuild plan --matrix examples/local/matrix.yaml --registry
       imagebuild plan --format json | jq '.variants[].tags'
       imagebuild plan --format github-matrix   # strategy.matrix for GitHub Actions
+      imagebuild plan --format github-fanout   # shared layers once, then variant jobs, 256 per matrix
+      imagebuild plan --registry --format github-output >> "$GITHUB_OUTPUT"   # only what changed
+
+    github-fanout and github-output: levels of CI jobs. Each layer several variants need is
+    built by one job of a layer level, before the jobs that need it; then the variant jobs
+    (`imagebuild release --only id=...`). With --registry, only the changed variants (a tag or a
+    layer below the release layer missing) and the layers the cache lacks.
     """
     selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
     rev, created = _revision(revision)
+    if output_format in ("github-fanout", "github-output"):
+        print_fanout(matrix, selection, str(matrix_path), rev, created, use_registry, output_format,
+                     layer_levels, shards)
+        return
     if use_registry:
         the_plan = building.prepare(matrix, rev, created)
         report = building.registry_plan(the_plan, selection.choose(the_plan.variants, str(matrix_path)),
@@ -69,6 +86,28 @@ def plan(matrix_path: Path, output_format: str, use_registry: bool, only: tuple[
         click.echo(json.dumps(planning.github_matrix(the_plan, selected), separators=(",", ":")))
     else:
         print_plan(the_plan, selected)
+
+
+def print_fanout(matrix: Matrix, selection: Selection, where: str, rev: str, created: str, use_registry: bool,
+                 output_format: str, layer_levels: int, shards: int) -> None:
+    if use_registry:
+        the_plan = building.prepare(matrix, rev, created)
+        variants = selection.choose(the_plan.variants, where)
+        report = building.registry_plan(the_plan, variants, resolve_digests=False)
+        cached = {rec.key for rec in report.layers if rec.status == "reused"}
+        repository = ImageRef.parse(the_plan.repository_ref)
+        with Registry(repository.registry) as registry:
+            tags = registry.list_tags(repository.repository)
+        variants = fanning.changed_variants(the_plan, variants, cached, tags)
+    else:
+        the_plan = planning.build_plan(matrix, revision=rev, created=created)
+        variants = selection.choose(the_plan.variants, where)
+        cached = set()
+    fanout = fanning.plan_fanout(the_plan, variants, cached, layer_levels=layer_levels, variant_shards=shards)
+    if output_format == "github-output":
+        click.echo("\n".join(fanning.github_outputs(fanout)))
+    else:
+        click.echo(json.dumps(fanning.fanout_record(the_plan, fanout), indent=2))
 
 
 def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) -> None:
