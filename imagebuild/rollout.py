@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
+import hashlib
 import json
 import os
 import secrets
@@ -109,8 +110,6 @@ def state_tag(prefix: str, name: str) -> str:
     tag = f"{prefix}-{name}"
     if len(tag) <= 128:
         return tag
-    import hashlib
-
     return f"{prefix}-{name[:64]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
