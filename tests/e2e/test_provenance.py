@@ -10,32 +10,55 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import subprocess
 import uuid
 from pathlib import Path
 
 import httpx
 import jsonschema
+import pytest
 
 from imagebuild.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
 from imagebuild.provenance import BUILD_TYPE, canonical_sha256
 
 from .conftest import STAGING, imagebuild
-from .test_verify import (  # noqa: F401 -- fixtures: pytest finds them by name in this module
-    Cosign,
-    Image,
-    KeyPair,
-    cosign_cli,
-    other_key,
-    our_key,
-    push,
-    tool,
-    trust_config,
-)
+from .test_verify import KEYS, Cosign, Image, KeyPair, tool, trust_config
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "fixtures" / "schemas" / "slsa-provenance-v1.schema.json").read_text())
 PREDICATE_SCHEMA = {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/provenance"}
 OFFLINE = ["--insecure-ignore-tlog", "--allow-http-registry", "--allow-insecure-registry"]
+
+
+@pytest.fixture(scope="module")
+def cosign_cli() -> Cosign:
+    return Cosign()
+
+
+@pytest.fixture(scope="module")
+def our_key() -> KeyPair:
+    if not (KEYS / "cosign.key").is_file():
+        pytest.fail(f"{KEYS}/cosign.key is missing; run scripts/bootstrap.sh", pytrace=False)
+    return KeyPair(KEYS / "cosign.key", KEYS / "cosign.pub", (KEYS / "cosign.password").read_text().strip())
+
+
+@pytest.fixture
+def other_key(cosign_cli, tmp_path_factory) -> KeyPair:
+    return cosign_cli.generate_key_pair(tmp_path_factory.mktemp("other-key"))
+
+
+@pytest.fixture
+def push(staging_registry, tmp_path):
+    """push() -> Image: a tiny image of random content in a repository of its own."""
+    repository = f"{staging_registry}/provenance-e2e/{uuid.uuid4().hex[:10]}"
+
+    def push_image() -> Image:
+        (tmp_path / "content").write_bytes(os.urandom(64))
+        subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(tmp_path / "layer.tar"), "content"], check=True)
+        crane("append", "-f", str(tmp_path / "layer.tar"), "-t", f"{repository}:v1")
+        return Image(repository, "v1", crane("digest", f"{repository}:v1").strip())
+
+    return push_image
 
 
 def inspect(image: str, key: Path, *args: str):
