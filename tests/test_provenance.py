@@ -312,3 +312,19 @@ def test_the_six_kinds_sign_attaches_and_their_cosign_types():
     assert attest.PROVENANCE.cosign_type == attest.PROVENANCE.predicate_type == "https://slsa.dev/provenance/v1"
     assert attest.RELEASE.predicate_type == "https://imagebuild.dev/attestations/release/v1"
     assert set(sign.PREDICATE_FILES) == {k.name for k in attest.KINDS}
+
+
+# --- the command line's bad input (no registry needed) ----------------------------------------------
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("inspect", "--key", "k.pub", "--config", "t.yaml", "127.0.0.1:5000/a/b:1"), "give --key or --config"),
+    (("inspect", "--config", "missing-trust.yaml", "127.0.0.1:5000/a/b:1"), "no such trust config"),
+    (("inspect", "--config", "missing-trust.yaml", "Not A Reference"), "not an image reference"),
+    (("verify", "--key", "k.pub", "--require-provenance", "--no-attestations", "127.0.0.1:5000/a/b:1"),
+     "drop --no-attestations"),
+])
+def test_bad_command_lines_exit_2_with_one_line(imagebuild, args, expected):
+    run = imagebuild(*args)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and expected in run.stderr and "Traceback" not in run.stderr
