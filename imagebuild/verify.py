@@ -43,6 +43,7 @@ from .attest import (
     PREDICATE_SMOKE,
     PREDICATE_VULN,
 )
+from .oci_retry import QUICK_RETRIES
 from .provenance import provenance_problems, release_problems
 from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
 from .source import InputError
@@ -507,7 +508,7 @@ class Verifier:
     def _registry(self, host: str) -> Registry:
         with self._lock:
             if host not in self._registries:
-                self._registries[host] = Registry(host, timeout=self.timeout_s)
+                self._registries[host] = Registry(host, timeout=self.timeout_s, retry=QUICK_RETRIES)
             return self._registries[host]
 
     def _verdict_for(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:

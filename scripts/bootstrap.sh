@@ -157,11 +157,14 @@ preflight() {
 # 1. Debian packages
 
 install_apt_packages() {
-    local missing=() pkg
+    local missing=() lean=() pkg
     for pkg in $APT_PACKAGES; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
     done
-    if [ "${#missing[@]}" -eq 0 ]; then
+    for pkg in $APT_PACKAGES_NO_RECOMMENDS; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || lean+=("$pkg")
+    done
+    if [ "${#missing[@]}" -eq 0 ] && [ "${#lean[@]}" -eq 0 ]; then
         summary "apt packages" "-" "present"
         return
     fi
@@ -169,11 +172,19 @@ install_apt_packages() {
     # needrestart (recommended by docker.io) would otherwise ask questions or restart
     # services at the end of the install.
     NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get update -qq
-    NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq \
-        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        "${missing[@]}" >"$LOG_DIR/apt-install.log" 2>&1 \
-        || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
-    summary "apt packages" "${#missing[@]} new" "installed"
+    if [ "${#missing[@]}" -gt 0 ]; then
+        NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq \
+            -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+            "${missing[@]}" >"$LOG_DIR/apt-install.log" 2>&1 \
+            || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
+    fi
+    if [ "${#lean[@]}" -gt 0 ]; then
+        NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get install -y -qq --no-install-recommends \
+            -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+            "${lean[@]}" >>"$LOG_DIR/apt-install.log" 2>&1 \
+            || { show_log_tail "$LOG_DIR/apt-install.log"; die "apt-get install failed"; }
+    fi
+    summary "apt packages" "$(( ${#missing[@]} + ${#lean[@]} )) new" "installed"
 }
 
 # Debian's docker-registry package ships a service on :5000 (all interfaces, htpasswd
@@ -185,6 +196,32 @@ disable_packaged_registry() {
         log "disabling Debian's default docker-registry.service (it listens on :5000)"
         systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
     fi
+}
+
+# Debian's prometheus (and prometheus-node-exporter, which it recommends) are enabled and
+# started by their postinst: :9090 and :9100 on all interfaces, scraping this host. The rollout
+# tests start their own Prometheus on a free loopback port, so the packaged ones are stopped and
+# disabled: with systemd through systemctl; without it (containers) through their init scripts
+# and update-rc.d (a policy-rc.d that exits 101 already kept them from starting there).
+disable_packaged_prometheus() {
+    local svc
+    for svc in prometheus prometheus-node-exporter; do
+        if [ -d /run/systemd/system ]; then
+            if systemctl is-enabled --quiet "$svc.service" 2>/dev/null \
+                || systemctl is-active --quiet "$svc.service" 2>/dev/null; then
+                log "disabling Debian's default $svc.service"
+                systemctl disable --now "$svc.service" >/dev/null 2>&1 || true
+            fi
+        elif [ -x "/etc/init.d/$svc" ]; then
+            if "/etc/init.d/$svc" status >/dev/null 2>&1; then
+                log "stopping Debian's default $svc service"
+                "/etc/init.d/$svc" stop >/dev/null 2>&1 || true
+            fi
+            if ls /etc/rc[2-5].d/S*"$svc" >/dev/null 2>&1; then
+                update-rc.d "$svc" disable >/dev/null 2>&1 || true
+            fi
+        fi
+    done
 }
 
 # ---------------------------------------------------------------------------------------
@@ -641,6 +678,7 @@ main() {
     start_go_tools                    # background: needs only Go and the module proxy
     install_apt_packages
     disable_packaged_registry
+    disable_packaged_prometheus
     in_background trivy install_trivy
     in_background python install_python_package
     start_dockerd

@@ -13,6 +13,7 @@ import click
 
 from .admission_command import admission_group
 from .build_command import build
+from .harbor_command import harbor_group
 from .inspect_command import inspect_command
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
@@ -59,6 +60,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
 cli.add_command(verify_command)
 cli.add_command(inspect_command)
 cli.add_command(admission_group)
+cli.add_command(harbor_group)
 
 
 def main() -> None:

@@ -260,3 +260,29 @@ def signed_example(scanned_example, cosign, cosign_keys, tmp_path_factory) -> Si
     variants = json.loads(report_path.read_text())["variants"]
     return SignedExample(workdir, report_path, images=[v["image"] for v in variants],
                          tags=[tag for v in variants for tag in v["images"]], public_key=cosign_keys["pub"], run=run)
+
+
+# --- rollout gates: a real Prometheus scraping an exporter the test controls, and a health endpoint ---------
+
+
+@pytest.fixture(scope="session")
+def rollout_services_session(tmp_path_factory):
+    from .rollout_harness import HarnessError, RolloutServices
+
+    try:
+        services = RolloutServices(tmp_path_factory.mktemp("rollout-services"))
+    except HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield services
+    services.stop()
+
+
+@pytest.fixture
+def rollout_services(rollout_services_session):
+    """The session's exporter, Prometheus and health endpoint, with no metric and no health status set.
+
+    services.exporter.set("job_error_ratio", 0.01, region="eu-west"); services.prometheus.url;
+    services.prometheus.wait_for_value(query, 0.01); services.health.set("eu-west", 500); services.health.url.
+    """
+    rollout_services_session.reset()
+    return rollout_services_session

@@ -1,0 +1,849 @@
+"""The rollout reconciler: moves channel tags region by region, wave by wave, resumably.
+
+Its durable state lives in the state registry (release.yaml `state:`), so any CI job can read
+it and a killed run can be resumed from anywhere:
+- the rollout record, tag `rollout-<id>`: one OCI artifact (config `{}`, one JSON layer),
+  rewritten after every step (blob first, then the manifest, so a kill between the two
+  leaves the previous record whole). Its `events` list only grows: the audit trail;
+- `channel-<tag>`: the latest rollout of that channel (what `status` without an ID shows);
+- `lease-<tag>`: who is rolling that channel out now, until when;
+- `rollout-<id>.abort` and `rollout-<id>.approve-<wave>`: requests other commands leave for
+  the running reconciler, so they never race its record writes.
+
+Every step checks the registries before acting and is safe to repeat: a copy finds what the
+target already holds, a tag already at the digest is not written again, a previous digest once
+recorded is never overwritten. A step is marked done only after its effect, so a kill at any
+point repeats at most the one step that was in flight.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import importlib
+import json
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .oci_copy import CopyOptions, copy_image, cosign_tag
+from .oci_retry import RetryPolicy
+from .registry import OCI_MANIFEST, ImageRef, Registry, RegistryError, RegistryUnreachable
+from .release import GateSpec, Region, ReleaseConfig
+from .rollout_plan import RollbackStep, Step, StepKind, plan_rollback, plan_rollout
+from .trust import TrustConfig, load_trust_config
+from .verify import Verifier
+
+
+
+def _gates_module() -> Any:
+    try:
+        return importlib.import_module("imagebuild.rollout_gates")
+    except ModuleNotFoundError:  # until the gates branch is merged: soak, signature and approval only
+        return importlib.import_module("imagebuild.rollout_gates_minimal")
+
+
+gates: Any = _gates_module()
+
+SCHEMA = 1
+RECORD_TYPE = "application/vnd.imagebuild.rollout.record.v1+json"
+LEASE_TYPE = "application/vnd.imagebuild.rollout.lease.v1+json"
+MARKER_TYPE = "application/vnd.imagebuild.rollout.request.v1+json"
+CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
+EMPTY_CONFIG = b"{}"
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+EXIT_DONE, EXIT_HALTED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_LEASE_HELD = 0, 1, 2, 3, 4
+
+# Test hooks: SIGKILL this process after step N's effect but before it is recorded (MIDSTEP),
+# or right after it is recorded (AFTER_STEP). Used by the crash tests; harmless otherwise.
+KILL_MIDSTEP_ENV = "IMAGEBUILD_ROLLOUT_KILL_MIDSTEP"
+KILL_AFTER_STEP_ENV = "IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP"
+SETTLE_ENV = "IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S"
+RETRY_BASE_ENV = "IMAGEBUILD_ROLLOUT_RETRY_BASE_S"
+
+# Who did it: only these CI variables are read (never the environment at large, which holds secrets).
+_CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW",
+                 "GITHUB_SHA", "GITLAB_USER_LOGIN", "CI_PROJECT_PATH", "CI_PIPELINE_ID", "CI_JOB_ID", "BUILD_URL")
+_REGION_ATTEMPTS = 4  # a region's registry gets this many tries (backoff between) before the rollout halts
+_REGION_RETRIES = RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=1.0, max_elapsed_s=3.0, max_retry_after_s=5.0)
+
+
+class RolloutError(Exception):
+    """The rollout cannot go on; `exit_code` says why (1 failed, 3 unreachable, 4 lease held)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_HALTED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class LeaseHeld(RolloutError):
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_LEASE_HELD)
+
+
+class _Halt(Exception):
+    def __init__(self, reason: str, exit_code: int = EXIT_HALTED, status: str = "halted"):
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = exit_code
+        self.status = status
+
+
+def now_iso(now: float | None = None) -> str:
+    return dt.datetime.fromtimestamp(time.time() if now is None else now, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def who() -> dict[str, str]:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    found = {"user": user, "host": socket.gethostname()}
+    found.update({name: os.environ[name] for name in _CI_VARIABLES if os.environ.get(name)})
+    return found
+
+
+def short(digest: str | None) -> str:
+    return digest.split(":", 1)[1][:12] if digest and ":" in digest else (digest or "-")
+
+
+def state_tag(prefix: str, name: str) -> str:
+    """A tag in the state repository; a long name is shortened with its hash so the tag stays within 128."""
+    tag = f"{prefix}-{name}"
+    if len(tag) <= 128:
+        return tag
+    import hashlib
+
+    return f"{prefix}-{name[:64]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
+# --- the state repository -----------------------------------------------------------------
+
+
+class StateStore:
+    """JSON documents as small OCI artifacts under tags of the state repository."""
+
+    def __init__(self, registry: Registry, repository: str):
+        self.registry = registry
+        self.repository = repository
+
+    def read(self, tag: str) -> dict[str, Any] | None:
+        found = self.registry.find_manifest(self.repository, tag)
+        if found is None:
+            return None
+        manifest = json.loads(found[0])
+        layers = manifest.get("layers") or []
+        if not layers:
+            return None
+        blob = self.registry.get_blob_limited(self.repository, layers[0]["digest"], MAX_RECORD_BYTES)
+        data = json.loads(blob)
+        return data if isinstance(data, dict) else None
+
+    def write(self, tag: str, data: dict[str, Any], media_type: str) -> None:
+        content = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        config = self.registry.put_blob(self.repository, EMPTY_CONFIG)
+        layer = self.registry.put_blob(self.repository, content)
+        manifest = {
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": CONFIG_TYPE, "digest": config, "size": len(EMPTY_CONFIG)},
+            "layers": [{"mediaType": media_type, "digest": layer, "size": len(content)}],
+            # The tag's own name keeps two documents with equal content from sharing a manifest,
+            # so deleting one (by digest: Distribution deletes no tags) never removes the other.
+            "annotations": {"org.imagebuild.rollout.tag": tag},
+        }
+        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        self.registry.put_manifest(self.repository, tag, raw, OCI_MANIFEST)
+
+    def delete(self, tag: str) -> None:
+        digest = self.registry.head_manifest(self.repository, tag)
+        if digest:
+            self.registry.delete_manifest(self.repository, digest)
+
+
+def open_store(config: ReleaseConfig) -> StateStore:
+    return StateStore(Registry(config.state_registry, retry=_REGION_RETRIES), config.state_repository)
+
+
+# --- the lease --------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Lease:
+    """One lease tag per channel; held by one rollout (and process) until it expires.
+
+    The registry offers no compare-and-swap, so acquiring is read, write ours, wait `settle_s`,
+    read back: of two writers racing, the later write wins and the earlier sees it on reading
+    back. See README `## Rollout` for what this does and does not guarantee.
+    """
+
+    store: StateStore
+    channels: tuple[str, ...]
+    rollout_id: str
+    ttl_s: float
+    settle_s: float = 2.0
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    renewed_at: float = 0.0
+
+    @property
+    def tags(self) -> list[str]:
+        return [state_tag("lease", channel) for channel in sorted(self.channels)]
+
+    def _mine(self, now: float) -> dict[str, Any]:
+        return {"rollout": self.rollout_id, "nonce": self.nonce, "host": socket.gethostname(), "pid": os.getpid(),
+                "user": who()["user"], "acquired_at": now_iso(now), "expires_at": now + self.ttl_s}
+
+    def _blocking(self, held: dict[str, Any] | None, now: float) -> bool:
+        if not held or held.get("nonce") == self.nonce:
+            return False
+        if float(held.get("expires_at", 0)) <= now:
+            return False  # expired: its holder crashed or hung; recoverable by design
+        # The same rollout, left behind by a process of ours that is gone (killed): take it over.
+        same_rollout_dead = (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
+                             and not _pid_alive(int(held.get("pid", 0))))
+        return not same_rollout_dead
+
+    @staticmethod
+    def describe(held: dict[str, Any], now: float) -> str:
+        left = float(held.get("expires_at", 0)) - now
+        return (f"rollout {held.get('rollout')} (user {held.get('user')} on {held.get('host')}, pid {held.get('pid')}) "
+                f"holds it for another {max(left, 0):.0f}s")
+
+    def acquire(self) -> None:
+        now = time.time()
+        for tag, channel in zip(self.tags, sorted(self.channels)):
+            held = self.store.read(tag)
+            if self._blocking(held, now):
+                assert held is not None
+                raise LeaseHeld(f"channel '{channel}' is being rolled out: {self.describe(held, now)}")
+        mine = self._mine(now)
+        for tag in self.tags:
+            self.store.write(tag, mine, LEASE_TYPE)
+        time.sleep(self.settle_s)
+        for tag, channel in zip(self.tags, sorted(self.channels)):
+            held = self.store.read(tag)
+            if not held or held.get("nonce") != self.nonce:
+                self._release_mine()
+                other = self.describe(held, time.time()) if held else "its lease vanished"
+                raise LeaseHeld(f"channel '{channel}': another rollout took the lease at the same time: {other}")
+        self.renewed_at = now
+
+    def renew(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.renewed_at < self.ttl_s / 3:
+            return
+        for tag, channel in zip(self.tags, sorted(self.channels)):
+            held = self.store.read(tag)
+            if not held or held.get("nonce") != self.nonce:
+                other = self.describe(held, now) if held else "the lease is gone"
+                raise LeaseHeld(f"lost the lease of channel '{channel}': {other}")
+        mine = self._mine(now)
+        for tag in self.tags:
+            self.store.write(tag, mine, LEASE_TYPE)
+        self.renewed_at = now
+
+    def _release_mine(self) -> None:
+        for tag in self.tags:
+            held = self.store.read(tag)
+            if held and held.get("nonce") == self.nonce:
+                self.store.delete(tag)
+
+    def release(self) -> None:
+        try:
+            self._release_mine()
+        except RegistryError:
+            pass  # it expires on its own
+
+
+def lease_for(config: ReleaseConfig, store: StateStore, record: dict[str, Any]) -> Lease:
+    settle = float(os.environ.get(SETTLE_ENV, "2.0"))
+    return Lease(store, tuple(record["channels"]), record["id"], config.lease_ttl_s, settle)
+
+
+# --- the record ------------------------------------------------------------------------------
+
+
+def new_rollout_id() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dt%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def record_tag(rollout_id: str) -> str:
+    return state_tag("rollout", rollout_id)
+
+
+def new_record(config: ReleaseConfig, rollout_id: str, source: str, digest: str, channels: tuple[str, ...],
+               steps: tuple[Step, ...]) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA, "id": rollout_id, "release": str(config.path), "channels": list(channels),
+        "source": source, "digest": digest, "status": "running", "reason": None,
+        "created_at": now_iso(), "updated_at": now_iso(), "started_by": who(),
+        "steps": [dict(step.to_dict(), state="pending") for step in steps], "next_step": 0,
+        "previous": {}, "present_before": {},
+        "waves": {wave.name: {"state": "pending", "moved_at": None, "gates": [], "approvals": []}
+                  for wave in config.waves},
+        "rollback": None, "events": [],
+    }
+
+
+def steps_of(record: dict[str, Any]) -> tuple[Step, ...]:
+    return tuple(Step(s["index"], StepKind(s["kind"]), s["wave"], s.get("region"), s.get("tag"))
+                 for s in record["steps"])
+
+
+def previous_key(region: str, tag: str) -> str:
+    return f"{region}/{tag}"
+
+
+def load_record(store: StateStore, rollout_id: str) -> dict[str, Any]:
+    record = store.read(record_tag(rollout_id))
+    if record is None:
+        raise RolloutError(f"no rollout {rollout_id} in {store.registry.registry}/{store.repository}",
+                           EXIT_BAD_INPUT)
+    if record.get("schema") != SCHEMA:
+        raise RolloutError(f"rollout {rollout_id}: record schema {record.get('schema')} is not {SCHEMA}")
+    return record
+
+
+@dataclass
+class Journal:
+    """Writes the record (registry first: it is the truth; then the local copy) and the audit trail."""
+
+    store: StateStore
+    local_dir: Path
+    record: dict[str, Any]
+
+    def save(self) -> None:
+        self.record["updated_at"] = now_iso()
+        self.store.write(record_tag(self.record["id"]), self.record, RECORD_TYPE)
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        cache = self.local_dir / f"{self.record['id']}.json"
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record, indent=2, sort_keys=True))
+        os.replace(tmp, cache)
+
+    def event(self, what: str, **details: Any) -> dict[str, Any]:
+        """An audit event: appended to the record's events (saved with it) and to local audit.jsonl."""
+        entry: dict[str, Any] = {"at": now_iso(), "who": who(), "rollout": self.record["id"], "what": what,
+                                 "channels": self.record["channels"]}
+        entry.update({key: value for key, value in details.items() if value is not None})
+        self.record["events"].append(entry)
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.local_dir / "audit.jsonl", "a", encoding="utf-8") as audit:
+            audit.write(json.dumps(entry, sort_keys=True) + "\n")
+        return entry
+
+
+# --- regions ---------------------------------------------------------------------------------
+
+
+def region_registry(region: Region) -> Registry:
+    credentials = region.credentials
+    if credentials is not None and credentials.env:
+        value = os.environ.get(credentials.env)
+        if not value or ":" not in value:
+            raise RolloutError(f"region {region.name}: environment variable {credentials.env} must hold USER:PASSWORD",
+                               EXIT_BAD_INPUT)
+        user, password = value.split(":", 1)
+        return Registry(region.registry, user, password, retry=_REGION_RETRIES)
+    config = credentials.docker_config if credentials is not None else None
+    return Registry(region.registry, docker_config=config, retry=_REGION_RETRIES)
+
+
+def _kill_if(env: str, index: int) -> None:
+    wanted = os.environ.get(env)
+    if wanted is not None and wanted.strip() == str(index):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+Output = Callable[[str], None]
+
+
+class Reconciler:
+    """Runs (or resumes) one rollout's steps, or its rollback, against the live registries."""
+
+    def __init__(self, config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output):
+        self.config = config
+        self.trust = trust
+        self.journal = journal
+        self.record = journal.record
+        self.lease = lease
+        self.out = out
+        self.digest: str = self.record["digest"]
+        source = ImageRef.parse(self.record["source"])
+        self.source_registry = source.registry
+        self.source_repository = source.repository
+        self._registries: dict[str, Registry] = {}
+        self._verified_here: set[str] = set()
+        self.retry_base_s = float(os.environ.get(RETRY_BASE_ENV, "1.0"))
+
+    def registry(self, region: Region) -> Registry:
+        if region.name not in self._registries:
+            self._registries[region.name] = region_registry(region)
+        return self._registries[region.name]
+
+    def close(self) -> None:
+        for registry in self._registries.values():
+            registry.close()
+
+    # --- shared -----------------------------------------------------------------------------
+
+    def _abort_requested(self) -> dict[str, Any] | None:
+        return self.journal.store.read(record_tag(self.record["id"]) + ".abort")
+
+    def _approvals(self, wave: str) -> tuple[str, ...]:
+        marker = self.journal.store.read(record_tag(self.record["id"]) + f".approve-{wave}")
+        if marker is None:
+            return ()
+        approvals = self.record["waves"][wave]["approvals"]
+        if not approvals:
+            approvals.append({"by": marker.get("by"), "at": marker.get("at")})
+            self.journal.event("approved", wave=wave, by=marker.get("by"))
+        return (wave,)
+
+    def _in_region(self, region: Region, action: Callable[[], Any]) -> Any:
+        """Run one registry action for a region, retrying an unreachable registry with backoff, then halting."""
+        last: Exception | None = None
+        for attempt in range(_REGION_ATTEMPTS):
+            try:
+                return action()
+            except RegistryUnreachable as exc:
+                if exc.registry not in (None, region.registry):
+                    raise  # the state or staging registry: not this region's fault
+                last = exc
+            except _RegionDown as exc:
+                last = exc
+            if attempt + 1 < _REGION_ATTEMPTS:
+                delay = self.retry_base_s * 2 ** attempt
+                self.out(f"  region {region.name} ({region.registry}) unreachable; retrying in {delay:g}s")
+                time.sleep(delay)
+        raise _Halt(f"region {region.name} ({region.registry}) unreachable after {_REGION_ATTEMPTS} attempts: {last}",
+                    EXIT_UNREACHABLE)
+
+    def _finish(self, status: str, reason: str | None, exit_code: int) -> int:
+        self.record["status"] = status
+        self.record["reason"] = reason
+        self.journal.event(status, detail=reason)
+        self.journal.save()
+        self.lease.release()
+        return exit_code
+
+    # --- the rollout ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        steps = steps_of(self.record)
+        try:
+            while self.record["next_step"] < len(steps):
+                step = steps[self.record["next_step"]]
+                if self._abort_requested():
+                    return self._finish("aborted", f"aborted before step {step.describe()}", EXIT_HALTED)
+                self.lease.renew()
+                self.out(f"step {step.describe()}")
+                result = self._run_step(step)
+                _kill_if(KILL_MIDSTEP_ENV, step.index)
+                entry = self.record["steps"][step.index]
+                entry["state"] = "done"
+                entry["done_at"] = now_iso()
+                if result:
+                    entry["result"] = result
+                self.record["next_step"] = step.index + 1
+                self.journal.save()
+                _kill_if(KILL_AFTER_STEP_ENV, step.index)
+        except _Halt as halt:
+            self.out(f"{halt.status}: {halt.reason}")
+            return self._finish(halt.status, halt.reason, halt.exit_code)
+        return self._finish("completed", None, EXIT_DONE)
+
+    def _run_step(self, step: Step) -> dict[str, Any] | None:
+        wave = self.record["waves"][step.wave]
+        if step.kind is StepKind.GATES:
+            return self._gates(step)
+        region = self.config.region(step.region or "")
+        if step.kind is StepKind.COPY:
+            wave["state"] = "copying"
+            return self._copy(region)
+        if step.kind is StepKind.VERIFY:
+            return self._verify(region)
+        assert step.tag is not None
+        if step.kind is StepKind.RECORD:
+            return self._record_previous(region, step.tag)
+        wave["state"] = "moving"
+        result = self._move(region, step.tag, step.wave)
+        if self._last_move_of_wave(step):
+            wave["moved_at"] = time.time()
+            wave["state"] = "gating"
+        return result
+
+    def _last_move_of_wave(self, step: Step) -> bool:
+        following = self.record["steps"][step.index + 1:step.index + 2]
+        return not following or following[0]["kind"] != StepKind.MOVE.value or following[0]["wave"] != step.wave
+
+    def _copy(self, region: Region) -> dict[str, Any]:
+        target = self.registry(region)
+        present = self.record["present_before"]
+        if region.name not in present:
+            # Whether the image was there before us decides how a rollback may remove a tag it
+            # created (Distribution deletes by digest only): recorded before the copy can change it.
+            present[region.name] = self._in_region(
+                region, lambda: target.head_manifest(region.repository, self.digest) is not None)
+            self.journal.save()
+        sig = cosign_tag(self.digest, "sig")
+        if self._in_region(region, lambda: target.head_manifest(region.repository, self.digest) is not None
+                           and target.head_manifest(region.repository, sig) is not None):
+            return {"copied": False, "detail": "already present with its signature"}
+        source = Registry(self.source_registry, retry=_REGION_RETRIES)
+        try:
+            copied = self._in_region(region, lambda: copy_image(
+                source, self.source_repository, self.digest, target, region.repository,
+                options=CopyOptions(signatures=True)))
+        finally:
+            source.close()
+        self.journal.event("copy", region=region.name, to=self.digest,
+                           detail=f"{region.registry}/{region.repository}: {copied.stats.blobs_uploaded} blobs uploaded")
+        return {"copied": True, "blobs_uploaded": copied.stats.blobs_uploaded,
+                "signature_tags": list(copied.stats.signature_tags)}
+
+    def _verify_in(self, region: Region) -> str:
+        image = region.image(self.digest)
+
+        def check() -> Any:
+            with Verifier(self.trust, cache_ttl_seconds=0) as verifier:
+                verdict = verifier.verify(image)
+            if verdict.unreachable:
+                raise _RegionDown(verdict.reason)
+            return verdict
+
+        verdict = self._in_region(region, check)
+        if not verdict.allowed or verdict.digest != self.digest:
+            raise _Halt(f"region {region.name}: {image} does not verify: {verdict.reason}")
+        self._verified_here.add(region.name)
+        return str(verdict.reason)
+
+    def _verify(self, region: Region) -> dict[str, Any]:
+        reason = self._verify_in(region)
+        self.journal.event("verify", region=region.name, to=self.digest, detail=reason)
+        return {"verified": reason}
+
+    def _record_previous(self, region: Region, tag: str) -> dict[str, Any]:
+        key = previous_key(region.name, tag)
+        previous = self.record["previous"]
+        if key not in previous:  # recorded once; a repeat after a kill must not read our own move
+            target = self.registry(region)
+            previous[key] = self._in_region(region, lambda: target.head_manifest(region.repository, tag))
+        return {"previous": previous[key]}
+
+    def _move(self, region: Region, tag: str, wave: str) -> dict[str, Any]:
+        key = previous_key(region.name, tag)
+        if key not in self.record["previous"]:
+            raise _Halt(f"internal: no previous digest recorded for {key} before moving it")
+        target = self.registry(region)
+        current = self._in_region(region, lambda: target.head_manifest(region.repository, tag))
+        if current == self.digest:
+            return {"moved": False, "detail": "already at the digest"}
+        if region.name not in self._verified_here:
+            self._verify_in(region)  # resumed: the region's copy is checked again before any tag points at it
+        raw, media_type, _ = self._in_region(region, lambda: target.get_manifest(region.repository, self.digest))
+        self._in_region(region, lambda: target.put_manifest(region.repository, tag, raw, media_type))
+        self.journal.event("move-tag", wave=wave, region=region.name, tag=tag, **{"from": current, "to": self.digest})
+        return {"moved": True, "from": current}
+
+    def _gates(self, step: Step) -> dict[str, Any]:
+        wave = self.config.wave(step.wave)
+        state = self.record["waves"][step.wave]
+        state["state"] = "gating"
+        if state.get("moved_at") is None:
+            state["moved_at"] = time.time()
+        specs: list[tuple[GateSpec, Region]] = [(spec, self.config.region(name))
+                                               for spec in wave.gates for name in wave.regions]
+        last_saved = 0.0
+        last_line = ""
+        while True:
+            if self._abort_requested():
+                raise _Halt("abort requested while waiting on the gates", EXIT_HALTED, status="aborted")
+            self.lease.renew()
+            approvals = self._approvals(step.wave) if any(s.kind == "approval" for s, _ in specs) else ()
+            results = []
+            for spec, region in specs:
+                ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
+                                        digest=self.digest, channels=tuple(self.record["channels"]),
+                                        moved_at=float(state["moved_at"]), approvals=approvals, trust=self.trust,
+                                        now=time.time())
+                results.append(gates.evaluate(spec, ctx))
+            state["gates"] = [_result_dict(result) for result in results]
+            failed = [r for r in results if r.outcome == gates.GateOutcome.FAILED]
+            if failed:
+                state["state"] = "failed"
+                first = failed[0]
+                self.journal.event("gates", wave=step.wave, gates=state["gates"])
+                raise _Halt(f"wave {step.wave}: gate {first.gate} failed in region {first.region}: {first.detail}")
+            waiting = [r for r in results if r.outcome == gates.GateOutcome.WAITING]
+            if not waiting:
+                state["state"] = "passed"
+                self.journal.event("gates", wave=step.wave, gates=state["gates"])
+                return {"gates": state["gates"]}
+            line = f"  wave {step.wave}: " + "; ".join(f"{r.gate}@{r.region} {r.detail}" for r in waiting)
+            if line != last_line:
+                self.out(line)
+                last_line = line
+            if time.time() - last_saved > 10:
+                self.journal.save()  # `status` shows the progress from the registry
+                last_saved = time.time()
+            delays = [r.retry_in_s for r in waiting if r.retry_in_s]
+            time.sleep(min(max(min(delays, default=1.0), 0.2), 5.0))
+
+    # --- rollback ---------------------------------------------------------------------------
+
+    def rollback(self) -> int:
+        rollback = self.record.get("rollback")
+        if rollback is None:
+            previous = {tuple(key.split("/", 1)): value for key, value in self.record["previous"].items()}
+            plan = plan_rollback(steps_of(self.record), previous, self.digest)  # type: ignore[arg-type]
+            rollback = {"steps": [dict(s.to_dict(), state="pending") for s in plan], "next_step": 0,
+                        "started_at": now_iso()}
+            self.record["rollback"] = rollback
+        self.record["status"] = "rolling-back"
+        self.journal.event("rollback-start")
+        self.journal.save()
+        steps = [RollbackStep(s["index"], s["wave"], s["region"], s["tag"], s["moved_to"], s["restore_to"])
+                 for s in rollback["steps"]]
+        try:
+            while rollback["next_step"] < len(steps):
+                step = steps[rollback["next_step"]]
+                self.lease.renew()
+                self.out(f"rollback {step.describe()}")
+                result = self._restore(step)
+                entry = rollback["steps"][step.index]
+                entry.update(state="done", done_at=now_iso(), result=result)
+                rollback["next_step"] = step.index + 1
+                self.journal.save()
+        except _Halt as halt:
+            self.out(f"rollback halted: {halt.reason}")
+            return self._finish("halted", f"rollback: {halt.reason}", halt.exit_code)
+        return self._finish("rolled-back", None, EXIT_DONE)
+
+    def _restore(self, step: RollbackStep) -> str:
+        region = self.config.region(step.region)
+        target = self.registry(region)
+        current = self._in_region(region, lambda: target.head_manifest(region.repository, step.tag))
+        if current == step.restore_to:
+            return "already restored"
+        if current != step.moved_to:
+            note = f"left alone: it points at {current or 'nothing'} now, not at this rollout's digest"
+            self.journal.event("rollback-skip", wave=step.wave, region=step.region, tag=step.tag, detail=note)
+            return note
+        if step.restore_to is not None:
+            restore_to = step.restore_to
+            raw, media_type, _ = self._in_region(region, lambda: target.get_manifest(region.repository, restore_to))
+            self._in_region(region, lambda: target.put_manifest(region.repository, step.tag, raw, media_type))
+            self.journal.event("restore-tag", wave=step.wave, region=step.region, tag=step.tag,
+                               **{"from": current, "to": restore_to})
+            return f"restored to {restore_to}"
+        return self._remove_created_tag(region, target, step, current)
+
+    def _remove_created_tag(self, region: Region, target: Registry, step: RollbackStep, current: str) -> str:
+        try:
+            self._in_region(region, lambda: target.delete_manifest(region.repository, step.tag))
+            how = "tag deleted"
+        except RegistryError as exc:
+            if exc.status not in (400, 405) or self.record["present_before"].get(region.name, True):
+                note = f"cannot delete the tag on this registry ({exc.status}) and the image predates the rollout"
+                self.journal.event("rollback-skip", wave=step.wave, region=step.region, tag=step.tag, detail=note)
+                return note
+            # The image came with this rollout: deleting it (by digest) removes the tags it created.
+            self._in_region(region, lambda: target.delete_manifest(region.repository, step.moved_to))
+            how = "image deleted (it came with this rollout; the registry deletes by digest only)"
+        self.journal.event("delete-tag", wave=step.wave, region=step.region, tag=step.tag,
+                           detail=how, **{"from": current, "to": None})
+        return how
+
+
+class _RegionDown(Exception):
+    pass
+
+
+def _result_dict(result: Any) -> dict[str, Any]:
+    data = asdict(result)
+    data["outcome"] = str(getattr(result.outcome, "value", result.outcome))
+    return data
+
+
+# --- entry points (the CLI calls these) -----------------------------------------------------
+
+
+def _trust(config: ReleaseConfig) -> TrustConfig:
+    return load_trust_config(config.trust_path)
+
+
+def check_source(trust: TrustConfig, image: str) -> str:
+    """The source must verify in staging (signed, with trust's attestations) before anything moves."""
+    with Verifier(trust, cache_ttl_seconds=0) as verifier:
+        verdict = verifier.verify(image)
+    if verdict.unreachable:
+        raise RolloutError(f"staging registry unreachable: {verdict.reason}", EXIT_UNREACHABLE)
+    if not verdict.allowed:
+        raise RolloutError(f"refusing to roll out {image}: it does not verify in staging: {verdict.reason}")
+    return str(verdict.reason)
+
+
+def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_dir: Path, out: Output) -> int:
+    ref = ImageRef.parse(image)
+    if not ref.digest:
+        raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
+    trust = _trust(config)
+    out(f"source {image}: {check_source(trust, image)}")
+    steps = plan_rollout(config, ref.digest, channels)
+    rollout_id = new_rollout_id()
+    store = open_store(config)
+    record = new_record(config, rollout_id, image, ref.digest, channels, steps)
+    journal = Journal(store, local_dir, record)
+    lease = lease_for(config, store, record)
+    lease.acquire()
+    journal.event("start", to=ref.digest, detail=f"{len(steps)} steps over waves "
+                                                  f"{', '.join(w.name for w in config.waves)}")
+    journal.save()
+    for channel in channels:
+        store.write(state_tag("channel", channel), {"rollout": rollout_id, "at": now_iso()}, MARKER_TYPE)
+    out(f"rollout {rollout_id}: {image} -> {', '.join(channels)}")
+    return _run(config, trust, journal, lease, out, lambda r: r.run())
+
+
+def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output,
+         action: Callable[[Reconciler], int]) -> int:
+    reconciler = Reconciler(config, trust, journal, lease, out)
+    try:
+        return action(reconciler)
+    except LeaseHeld:
+        raise
+    except BaseException:
+        lease.release()
+        raise
+    finally:
+        reconciler.close()
+
+
+def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path) -> tuple[Journal, Lease]:
+    store = open_store(config)
+    record = load_record(store, rollout_id)
+    if Path(record["release"]).resolve() != config.path.resolve():
+        pass  # another copy of the release file is fine; its regions decide where tags are
+    return Journal(store, local_dir, record), lease_for(config, store, record)
+
+
+def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
+    journal, lease = _reopen(config, rollout_id, local_dir)
+    record = journal.record
+    if record["status"] == "completed":
+        out(f"rollout {rollout_id} is already completed")
+        return EXIT_DONE
+    if record["status"] in ("aborted", "rolling-back", "rolled-back"):
+        raise RolloutError(f"rollout {rollout_id} is {record['status']}: only `rollback` applies to it now")
+    trust = _trust(config)
+    lease.acquire()
+    record = journal.record = load_record(journal.store, rollout_id)  # as it stands now we hold the lease
+    record["status"] = "running"
+    record["reason"] = None
+    journal.event("resume", detail=f"from step {record['next_step']}")
+    journal.save()
+    return _run(config, trust, journal, lease, out, lambda r: r.run())
+
+
+def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
+    journal, lease = _reopen(config, rollout_id, local_dir)
+    if journal.record["status"] == "rolled-back":
+        out(f"rollout {rollout_id} is already rolled back")
+        return EXIT_DONE
+    trust = _trust(config)
+    lease.acquire()
+    journal.record = load_record(journal.store, rollout_id)
+    return _run(config, trust, journal, lease, out, lambda r: r.rollback())
+
+
+def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
+    journal, lease = _reopen(config, rollout_id, local_dir)
+    record = journal.record
+    if record["status"] in ("completed", "rolled-back", "aborted"):
+        out(f"rollout {rollout_id} is {record['status']}; nothing to abort")
+        return EXIT_DONE
+    journal.store.write(record_tag(rollout_id) + ".abort", {"by": who()["user"], "at": now_iso()}, MARKER_TYPE)
+    if record["status"] == "running":
+        out(f"abort requested: rollout {rollout_id} stops before its next step")
+        return EXIT_DONE
+    lease.acquire()  # halted: nobody runs it; mark it aborted ourselves
+    try:
+        journal.record = load_record(journal.store, rollout_id)
+        journal.record["status"] = "aborted"
+        journal.event("aborted", detail="aborted while halted")
+        journal.save()
+    finally:
+        lease.release()
+    out(f"rollout {rollout_id} aborted")
+    return EXIT_DONE
+
+
+def approve(config: ReleaseConfig, rollout_id: str, wave: str, local_dir: Path, out: Output) -> int:
+    journal, _ = _reopen(config, rollout_id, local_dir)
+    if wave not in journal.record["waves"]:
+        raise RolloutError(f"rollout {rollout_id} has no wave '{wave}' "
+                           f"(its waves: {', '.join(journal.record['waves'])})", EXIT_BAD_INPUT)
+    journal.store.write(record_tag(rollout_id) + f".approve-{wave}", {"by": who()["user"], "at": now_iso(),
+                                                                      "who": who()}, MARKER_TYPE)
+    out(f"wave {wave} of rollout {rollout_id} approved")
+    return EXIT_DONE
+
+
+def latest_rollout(config: ReleaseConfig, channels: Iterable[str]) -> str | None:
+    store = open_store(config)
+    found: list[tuple[str, str]] = []
+    for channel in channels:
+        pointer = store.read(state_tag("channel", channel))
+        if pointer and pointer.get("rollout"):
+            found.append((str(pointer.get("at", "")), str(pointer["rollout"])))
+    return max(found)[1] if found else None
+
+
+def status(config: ReleaseConfig, rollout_id: str) -> dict[str, Any]:
+    """The record plus, per region and tag, where the tag points now (read live from the region)."""
+    store = open_store(config)
+    record = load_record(store, rollout_id)
+    wave_of = {region: wave.name for wave in config.waves for region in wave.regions}
+    rows = []
+    for region in config.regions:
+        if region.name not in wave_of:
+            continue
+        registry = region_registry(region)
+        try:
+            for tag in record["channels"]:
+                try:
+                    current: str | None = registry.head_manifest(region.repository, tag)
+                    error = None
+                except RegistryError as exc:
+                    current, error = None, str(exc)
+                key = previous_key(region.name, tag)
+                rows.append({"wave": wave_of[region.name], "region": region.name, "registry": region.registry,
+                             "repository": region.repository, "tag": tag, "current": current,
+                             "previous": record["previous"].get(key), "previous_recorded": key in record["previous"],
+                             "at_rollout_digest": current == record["digest"], "error": error,
+                             "wave_state": record["waves"].get(wave_of[region.name], {}).get("state")})
+        finally:
+            registry.close()
+    lease = store.read(state_tag("lease", sorted(record["channels"])[0]))
+    return {"id": record["id"], "status": record["status"], "reason": record.get("reason"),
+            "digest": record["digest"], "source": record["source"], "channels": record["channels"],
+            "next_step": record["next_step"], "steps": len(record["steps"]), "waves": record["waves"],
+            "tags": rows, "rollback": record.get("rollback"),
+            "lease": {k: lease.get(k) for k in ("rollout", "user", "host", "expires_at")} if lease else None,
+            "events": len(record["events"]), "updated_at": record.get("updated_at")}

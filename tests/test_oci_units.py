@@ -1,0 +1,263 @@
+"""The OCI client's pure parts: challenges, scopes, Docker config and credential helpers, Retry-After, backoff."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import uuid
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+
+from imagebuild.oci_auth import (
+    Challenge,
+    CredentialError,
+    Credentials,
+    DockerConfig,
+    RegistryAuth,
+    credentials_for,
+    docker_config_path,
+    merge_scopes,
+    parse_challenge,
+    scopes_for,
+)
+from imagebuild.oci_copy import cosign_tag
+from imagebuild.oci_retry import RetryPolicy, parse_retry_after
+from imagebuild.registry import base_url
+
+ROBOT = "robot$imagebuild+ci"
+
+
+# --- WWW-Authenticate -----------------------------------------------------------------------
+
+def test_a_bearer_challenge_gives_realm_service_and_scope_with_its_commas():
+    challenge = parse_challenge('Bearer realm="https://auth.example.com/token",service="registry.example.com",'
+                                'scope="repository:team/app:pull,push"')
+    assert challenge == Challenge("bearer", {"realm": "https://auth.example.com/token",
+                                             "service": "registry.example.com",
+                                             "scope": "repository:team/app:pull,push"})
+    assert challenge.scopes == ("repository:team/app:pull,push",)
+
+
+def test_a_challenge_may_carry_several_scopes_unquoted_values_and_odd_spacing():
+    challenge = parse_challenge('bearer realm=https://auth/token , service="svc",  '
+                                'scope="repository:a:pull repository:b:pull,push", error="insufficient_scope"')
+    assert challenge.scheme == "bearer" and challenge.realm == "https://auth/token" and challenge.service == "svc"
+    assert challenge.scopes == ("repository:a:pull", "repository:b:pull,push")
+    assert challenge.params["error"] == "insufficient_scope"
+
+
+def test_a_basic_challenge_and_an_absent_one():
+    assert parse_challenge('Basic realm="Harbor"') == Challenge("basic", {"realm": "Harbor"})
+    assert parse_challenge("") is None
+
+
+# --- scopes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("method", "path", "query", "expected"), [
+    ("GET", "/v2/team/app/manifests/v1", {}, ("repository:team/app:pull",)),
+    ("HEAD", "/v2/team/app/blobs/sha256:ab", {}, ("repository:team/app:pull",)),
+    ("GET", "/v2/a/b/c/tags/list", {}, ("repository:a/b/c:pull",)),
+    ("GET", "/v2/app/referrers/sha256:ab", {}, ("repository:app:pull",)),
+    ("PUT", "/v2/team/app/manifests/v1", {}, ("repository:team/app:pull,push",)),
+    ("PATCH", "/v2/team/app/blobs/uploads/uuid", {}, ("repository:team/app:pull,push",)),
+    ("POST", "/v2/team/app/blobs/uploads/", {"mount": "sha256:ab", "from": "team/base"},
+     ("repository:team/app:pull,push", "repository:team/base:pull")),
+    ("GET", "/v2/", {}, ()),
+])
+def test_each_request_asks_for_the_scopes_it_needs(method, path, query, expected):
+    assert scopes_for(method, path, query) == expected
+
+
+def test_scopes_merge_per_repository():
+    assert merge_scopes(["repository:a:pull", "repository:a:push", "repository:b:pull", "repository:a:pull"]) == (
+        "repository:a:pull,push", "repository:b:pull")
+
+
+# --- Docker config --------------------------------------------------------------------------
+
+def _config(tmp_path: Path, content: dict) -> DockerConfig:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    return DockerConfig.load(path)
+
+
+def test_the_docker_config_is_found_through_DOCKER_CONFIG_or_home():
+    assert docker_config_path({"DOCKER_CONFIG": "/etc/ci/docker"}) == Path("/etc/ci/docker/config.json")
+    assert docker_config_path({"HOME": "/home/me"}) == Path("/home/me/.docker/config.json")
+
+
+def test_auths_entries_decode_robot_names_intact_whatever_the_key_spelling(tmp_path):
+    password = "pa:ss$word+with/colon"
+    auth = base64.b64encode(f"{ROBOT}:{password}".encode()).decode()
+    config = _config(tmp_path, {"auths": {
+        "https://harbor.example.com": {"auth": auth},
+        "registry.example.com:5443/v1/": {"username": "alice", "password": "pw"},
+        "https://index.docker.io/v1/": {"identitytoken": "refresh-me"},
+    }})
+    assert config.from_auths("harbor.example.com") == Credentials(ROBOT, password)
+    assert config.from_auths("registry.example.com:5443") == Credentials("alice", "pw")
+    assert config.from_auths("registry-1.docker.io") == Credentials("", "", "refresh-me")
+    assert config.from_auths("elsewhere.example.com") is None
+
+
+def test_a_missing_config_means_anonymous_and_a_broken_one_is_an_error_without_its_content(tmp_path):
+    assert credentials_for("r.example.com", DockerConfig.load(tmp_path / "absent.json")).empty
+    broken = tmp_path / "config.json"
+    broken.write_text('{"auths": {"r": {"auth": "secret-canary')
+    with pytest.raises(CredentialError) as raised:
+        DockerConfig.load(broken)
+    assert "secret-canary" not in str(raised.value) and str(broken) in str(raised.value)
+
+
+def _helper(tmp_path: Path, name: str, script: str, monkeypatch) -> Path:
+    """A credential helper program on PATH speaking docker's protocol (stdin: server URL)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / f"docker-credential-{name}"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return path
+
+
+def test_cred_helpers_come_before_creds_store_which_comes_before_auths(tmp_path, monkeypatch):
+    log = tmp_path / "asked"
+    _helper(tmp_path, "perhost", f'read url; echo "$url" >> {log}; echo \'{{"Username":"{ROBOT}","Secret":"s1"}}\'',
+            monkeypatch)
+    _helper(tmp_path, "store", f'read url; echo "store $url" >> {log}; echo \'{{"Username":"bob","Secret":"s2"}}\'',
+            monkeypatch)
+    config = _config(tmp_path, {"credHelpers": {"harbor.example.com": "perhost"}, "credsStore": "store",
+                                "auths": {"harbor.example.com": {"username": "file", "password": "f"}}})
+    assert credentials_for("harbor.example.com", config) == Credentials(ROBOT, "s1")
+    assert credentials_for("other.example.com:5000", config) == Credentials("bob", "s2")
+    assert log.read_text().splitlines() == ["harbor.example.com", "store other.example.com:5000"]
+
+
+def test_a_helper_without_credentials_falls_back_to_auths_and_a_token_user_means_an_identity_token(
+        tmp_path, monkeypatch):
+    _helper(tmp_path, "empty", 'echo "credentials not found in native keychain"; exit 1', monkeypatch)
+    _helper(tmp_path, "oauth", 'echo \'{"Username":"<token>","Secret":"refresh"}\'', monkeypatch)
+    config = _config(tmp_path, {"credHelpers": {"a.example.com": "empty", "b.example.com": "oauth"},
+                                "auths": {"a.example.com": {"username": "u", "password": "p"}}})
+    assert credentials_for("a.example.com", config) == Credentials("u", "p")
+    assert credentials_for("b.example.com", config) == Credentials("", "", "refresh")
+
+
+def test_a_failing_or_missing_helper_is_an_error_that_repeats_nothing_it_printed(tmp_path, monkeypatch):
+    canary = f"canary-{uuid.uuid4().hex}"
+    _helper(tmp_path, "broken", f'echo "{canary}"; echo "{canary}" >&2; exit 3', monkeypatch)
+    config = _config(tmp_path, {"credHelpers": {"a.example.com": "broken", "b.example.com": "absent-helper"}})
+    with pytest.raises(CredentialError) as raised:
+        credentials_for("a.example.com", config)
+    assert "docker-credential-broken" in str(raised.value) and "exit 3" in str(raised.value)
+    assert canary not in str(raised.value)
+    with pytest.raises(CredentialError, match="docker-credential-absent-helper is not installed"):
+        credentials_for("b.example.com", config)
+
+
+def test_credentials_never_show_their_secrets():
+    creds = Credentials(ROBOT, "pw-canary", "token-canary")
+    for text in (repr(creds), str(creds), f"{creds}", repr([creds]), repr(RegistryAuth("r", creds))):
+        assert "pw-canary" not in text and "token-canary" not in text
+    assert ROBOT in repr(creds)
+
+
+# --- the token request ----------------------------------------------------------------------
+
+def test_the_token_request_names_the_robot_account_intact_and_sends_it_as_basic_auth():
+    auth = RegistryAuth("harbor.example.com", Credentials(ROBOT, "secret"))
+    challenge = Challenge("bearer", {"realm": "https://harbor.example.com/service/token", "service": "harbor-registry"})
+    request = auth.token_request(challenge, ("repository:p/app:pull,push", "repository:p/base:pull"))
+    query = parse_qs(request.url.query.decode())
+    assert query == {"service": ["harbor-registry"], "account": [ROBOT],
+                     "scope": ["repository:p/app:pull,push", "repository:p/base:pull"]}
+    user, _, password = base64.b64decode(request.headers["Authorization"].split()[1]).decode().partition(":")
+    assert (user, password) == (ROBOT, "secret")
+
+
+def test_an_identity_token_is_exchanged_with_the_oauth2_refresh_grant():
+    auth = RegistryAuth("r.example.com", Credentials("", "", "refresh-token"))
+    request = auth.token_request(Challenge("bearer", {"realm": "https://auth/token", "service": "svc"}),
+                                 ("repository:a:pull",))
+    form = parse_qs(request.read().decode())
+    assert request.method == "POST" and form["grant_type"] == ["refresh_token"]
+    assert form["refresh_token"] == ["refresh-token"] and form["scope"] == ["repository:a:pull"]
+
+
+def _respond(request: httpx.Request, status: int, headers: dict | None = None, body: dict | None = None):
+    return httpx.Response(status, headers=headers or {}, json=body, request=request)
+
+
+def test_tokens_are_cached_per_scope_until_shortly_before_they_expire():
+    now = [1000.0]
+    auth = RegistryAuth("r.example.com", Credentials("u", "p"), clock=lambda: now[0])
+    challenge = 'Bearer realm="https://auth/token",service="svc",scope="repository:a:pull"'
+
+    def send(path: str, token_answers: list[str]) -> str:
+        flow = auth.auth_flow(httpx.Request("GET", f"https://r.example.com{path}"))
+        outgoing = next(flow)
+        while True:
+            if outgoing.url.host == "auth":
+                response = _respond(outgoing, 200, body={"token": token_answers.pop(0), "expires_in": 60})
+            elif "Authorization" in outgoing.headers and outgoing.headers["Authorization"].startswith("Bearer"):
+                response = _respond(outgoing, 200)
+            else:
+                response = _respond(outgoing, 401, {"WWW-Authenticate": challenge})
+            try:
+                outgoing = flow.send(response)
+            except StopIteration:
+                return outgoing.headers.get("Authorization", "")
+
+    assert send("/v2/a/manifests/v1", ["t1"]) == "Bearer t1"
+    assert send("/v2/a/blobs/sha256:00", []) == "Bearer t1", "same scope: the cached token, no token request"
+    assert send("/v2/b/manifests/v1", ["t2"]) == "Bearer t2", "another repository: its own token"
+    now[0] += 56  # within the last 5 seconds of t1's 60
+    assert send("/v2/a/manifests/v1", ["t3"]) == "Bearer t3"
+    assert auth.token_requests == 3
+
+
+# --- Retry-After and backoff ----------------------------------------------------------------
+
+def test_retry_after_in_seconds_or_as_an_http_date():
+    now = datetime(2026, 12, 1, 6, 0, 0, tzinfo=timezone.utc)
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(format_datetime(now + timedelta(seconds=30), usegmt=True), now=now) == 30.0
+    assert parse_retry_after(format_datetime(now - timedelta(seconds=30), usegmt=True), now=now) == 0.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def test_backoff_doubles_up_to_its_ceiling_with_full_jitter():
+    policy = RetryPolicy(base_delay_s=0.5, max_delay_s=4.0)
+    assert [policy.backoff(n, rng=lambda: 1.0) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert policy.backoff(3, rng=lambda: 0.0) == 0.0
+    assert 0.0 <= policy.backoff(2) <= 2.0
+
+
+def test_a_retry_after_is_obeyed_unless_longer_than_the_policy_allows():
+    policy = RetryPolicy(max_retry_after_s=30)
+    assert policy.delay(0, 12.0) == 12.0
+    assert policy.delay(0, 31.0) is None
+    assert policy.delay(2, None, rng=lambda: 1.0) == policy.base_delay_s * 4
+
+
+# --- transport and names --------------------------------------------------------------------
+
+def test_plain_http_only_for_loopback_by_default_or_registries_marked_insecure(tmp_path):
+    assert base_url("127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert base_url("localhost:5000") == "http://localhost:5000"
+    assert base_url("harbor.example.com") == "https://harbor.example.com"
+    assert base_url("harbor.example.com", insecure=True) == "http://harbor.example.com"
+    assert base_url("127.0.0.1:5443", ca_bundle=tmp_path / "ca.pem") == "https://127.0.0.1:5443"
+    assert base_url("127.0.0.1:5000", insecure=False) == "https://127.0.0.1:5000"
+
+
+def test_cosign_and_referrers_fallback_tags_of_a_digest():
+    digest = "sha256:" + "ab" * 32
+    assert cosign_tag(digest, "sig") == "sha256-" + "ab" * 32 + ".sig"
+    assert cosign_tag(digest) == "sha256-" + "ab" * 32
