@@ -14,6 +14,7 @@ import click
 from .admission_command import admission_group
 from .build_command import build
 from .harbor_command import harbor_group
+from .inspect_command import inspect_command
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
 from .rollout_command import rollout_group
@@ -22,7 +23,8 @@ from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "rollout")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify",
+                  "inspect", "rollout")
 
 
 class PipelineGroup(click.Group):
@@ -57,6 +59,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
                 policies_group):
     cli.add_command(command)
 cli.add_command(verify_command)
+cli.add_command(inspect_command)
 cli.add_command(admission_group)
 cli.add_command(harbor_group)
 cli.add_command(rollout_group)

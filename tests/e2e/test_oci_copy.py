@@ -12,6 +12,8 @@ import logging
 import os
 import tracemalloc
 import uuid
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from pathlib import Path
 
 import httpx
@@ -19,8 +21,16 @@ import pytest
 
 from imagebuild.oci_auth import Credentials
 from imagebuild.oci_copy import CopyOptions, copy_image, cosign_tag
+from imagebuild.oci_locations import BlobLocations
 from imagebuild.oci_retry import RetryPolicy
-from imagebuild.registry import OCI_INDEX, OCI_MANIFEST, Registry, RegistryAuthError, RegistryError
+from imagebuild.registry import (
+    DOCKER_MANIFEST_LIST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Registry,
+    RegistryAuthError,
+    RegistryError,
+)
 
 from .conftest import STAGING
 from .oci_servers import (
@@ -45,6 +55,22 @@ def _unique(prefix: str) -> str:
 
 
 # --- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def own_blob_cache(tmp_path_factory):
+    """Copies remember where blobs landed (oci_locations); these tests keep theirs apart."""
+    import imagebuild.oci_copy as oci_copy
+
+    previous = os.environ.get("IMAGEBUILD_CACHE_DIR")
+    os.environ["IMAGEBUILD_CACHE_DIR"] = str(tmp_path_factory.mktemp("imagebuild-cache"))
+    oci_copy._default = None
+    yield
+    oci_copy._default = None
+    if previous is None:
+        os.environ.pop("IMAGEBUILD_CACHE_DIR")
+    else:
+        os.environ["IMAGEBUILD_CACHE_DIR"] = previous
+
 
 @pytest.fixture(scope="session")
 def tools() -> dict[str, str]:
@@ -184,17 +210,19 @@ def test_wrong_credentials_fail_in_one_line_naming_the_registry_and_never_the_se
     message = str(raised.value)
     assert "\n" not in message and basic_registry in message and repository in message and "401" in message
     assert raised.value.status == 401
+    header = base64.b64encode(f"{ROBOT}:{canary}".encode()).decode()  # what went over the wire
+    assert "HTTP Request: PUT" not in caplog.text and "HTTP Request: HEAD http" in caplog.text
     for text in (message, repr(raised.value), repr(target), repr(target.auth), repr(target.auth.credentials),
                  str(target.auth.credentials), caplog.text):
-        assert canary not in text
-    assert canary not in base64.b64decode(base64.b64encode(message.encode())).decode()
+        assert canary not in text and header not in text
     target.close()
 
 
 # --- token auth -----------------------------------------------------------------------------
 
 def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, tmp_path, token_registry,
-                                                                          token_service, passwords):
+                                                                          token_service, passwords, caplog):
+    caplog.set_level(logging.DEBUG)
     repository = _unique("token")
     first, second = crane_image(tools, tmp_path, repository), None
     before = len(token_service.requests)
@@ -207,6 +235,9 @@ def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, 
     assert any(f"repository:{repository}:pull,push" in request.granted for request in asked)
     # One token per scope (pull; pull+push), reused for every request of both copies.
     assert len(asked) <= 2, asked
+    assert "HTTP Request: GET http://127.0.0.1" in caplog.text, "httpx's request log was captured"
+    for secret in (passwords[ROBOT], *token_service.issued):
+        assert secret not in caplog.text, "neither the password nor a token is logged"
     creds = f"{ROBOT}:{passwords[ROBOT]}"
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v1", creds=creds) == first
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v2", creds=creds) == second
@@ -292,16 +323,21 @@ def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools,
 
 # --- copies ---------------------------------------------------------------------------------
 
-def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry):
+@pytest.mark.parametrize(("flags", "media_type"), [
+    ([], OCI_INDEX),
+    (["--docker-empty-base"], DOCKER_MANIFEST_LIST),
+], ids=["oci-index", "docker-manifest-list"])
+def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry,
+                                                                              flags, media_type):
     repository = _unique("index")
     children = [crane_image(tools, tmp_path, f"{repository}-{n}") for n in range(2)]
     index_ref = f"{STAGING}/{repository}:multi"
-    run([tools["crane"], "index", "append", "--insecure", "-t", index_ref,
+    run([tools["crane"], "index", "append", "--insecure", *flags, "-t", index_ref,
          *[arg for n, d in enumerate(children) for arg in ("-m", f"{STAGING}/{repository}-{n}@{d}")]])
     index_digest = run([tools["crane"], "digest", "--insecure", index_ref]).stdout.strip()
     with Registry(STAGING) as source, Registry(region_registry) as target:
         first = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
-        assert first.media_type in (OCI_INDEX, "application/vnd.docker.distribution.manifest.list.v2+json")
+        assert first.media_type == media_type
         assert first.stats.manifests_put == 3 and first.stats.blobs_uploaded == 4 and first.stats.bytes_uploaded > 0
         again = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
     assert again.stats.bytes_uploaded == 0 and again.stats.blobs_uploaded == 0 and again.stats.manifests_put == 0
@@ -339,6 +375,50 @@ def _large_image(tools, tmp_path, repository: str, size: int) -> tuple[str, dict
         return digest, json.loads(staging.get_manifest(repository, digest)[0])
 
 
+def test_blobs_the_target_registry_holds_in_another_repository_are_mounted_across_registries(
+        tools, tmp_path, region_registry):
+    repository = _unique("hinted")
+    digest = crane_image(tools, tmp_path, repository, size=300_000)
+    cache = tmp_path / "blob-locations.json"
+    first, second, third = (f"{repository}-{n}" for n in range(3))
+    with Registry(STAGING) as source, Registry(region_registry) as target:
+        uploaded = copy_image(source, repository, digest, target, first, options=CopyOptions(locations=BlobLocations(cache)))
+        # A later process reads where the first copy put the blobs, and mounts them from there.
+        mounted = copy_image(source, repository, digest, target, second, options=CopyOptions(locations=BlobLocations(cache)))
+        # Without that knowledge, the same copy uploads everything again.
+        unhinted = copy_image(source, repository, digest, target, third, options=CopyOptions(locations=BlobLocations()))
+    assert uploaded.stats.blobs_uploaded == 2 and uploaded.stats.bytes_uploaded > 300_000
+    assert mounted.stats.blobs_mounted == 2 and mounted.stats.bytes_uploaded == 0
+    assert unhinted.stats.blobs_uploaded == 2 and unhinted.stats.bytes_uploaded == uploaded.stats.bytes_uploaded
+    assert skopeo_raw_digest(tools, f"{region_registry}/{second}@{digest}") == digest
+    with Registry(STAGING) as source:
+        layer = json.loads(source.get_manifest(repository, digest)[0])["layers"][0]["digest"]
+    assert BlobLocations(cache).hints(region_registry, layer) == [second, first]
+
+
+def test_a_hint_to_a_repository_the_user_may_not_read_falls_back_to_an_upload(
+        tools, tmp_path, token_registry, token_service, passwords):
+    repository = _unique("private")
+    digest = crane_image(tools, tmp_path, repository)
+    token_service.users["team"] = (passwords["reader"], ("pull", "push"))
+    token_service.limited_to["team"] = "e2e-oci/team-"
+    locations = BlobLocations()
+    options = CopyOptions(locations=locations)
+    with Registry(STAGING) as source:
+        with Registry(token_registry, credentials=Credentials(ROBOT, passwords[ROBOT])) as robot:
+            copy_image(source, repository, digest, robot, repository, options=options)
+        with Registry(token_registry, credentials=Credentials("team", passwords["reader"])) as team:
+            own = _unique("team")
+            result = copy_image(source, repository, digest, team, own, tags=["v1"], options=options)
+    with Registry(STAGING) as source:
+        layer = json.loads(source.get_manifest(repository, digest)[0])["layers"][0]["digest"]
+    assert locations.hints(token_registry, layer) == [own, repository]
+    assert result.stats.blobs_mounted == 0 and result.stats.blobs_uploaded == 2
+    tried = [r for r in token_service.requests if r.account == "team" and f"repository:{repository}:pull" in r.scopes]
+    assert tried and not any(repository in scope for r in tried for scope in r.granted), "the mount was tried, refused"
+    assert skopeo_digest(tools, f"{token_registry}/{own}:v1", creds=f"team:{passwords['reader']}") == digest
+
+
 def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the_registry_stands(
         tools, tmp_path, region_registry):
     repository = _unique("large")
@@ -347,9 +427,9 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     layer = manifest["layers"][0]
     chunks = -(-layer["size"] // chunk)
     assert chunks > 8
-    # The source drops the layer's stream half-way once (read again from there with a Range
-    # request); the third chunk is lost before it reaches the target.
-    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut")])
+    # The third chunk is lost before it reaches the target (the source is read again from that
+    # chunk's start); then the source's stream breaks off half-way (read again from there).
+    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut", after=1)])
     target_proxy = FlakyProxy(region_registry, [Fault("PATCH", r"/blobs/uploads/", "drop", after=2)])
     tracemalloc.start()
     try:
@@ -361,16 +441,39 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
         tracemalloc.stop()
         source_proxy.stop()
         target_proxy.stop()
-    assert peak < 4 * chunk, f"streamed: {peak} bytes at most in memory for a {layer['size']}-byte blob"
+    # Streamed: what this process held at most (the two proxies included) is a fraction of the blob.
+    assert peak < layer["size"] // 3, f"{peak} bytes in memory at once for a {layer['size']}-byte blob"
     assert target_proxy.faults[0].served == 1 and source_proxy.faults[0].served == 1
     assert result.stats.uploads_resumed == 1 and result.stats.uploads_restarted == 0
+    assert result.stats.source_reopened == 1
     patches = [entry for entry in target_proxy.log if entry[0] == "PATCH"]
     assert len(patches) == chunks + 1, "the lost chunk was sent again, nothing else"
     assert result.stats.bytes_uploaded == layer["size"] + chunk + manifest["config"]["size"]
     reads = [entry[2] for entry in source_proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
-    assert reads == ["forwarded (200), body cut in half", "forwarded (206)"], "picked up again, not restarted"
+    assert reads == ["forwarded (200)", "forwarded (206), body cut in half", "forwarded (206)"], \
+        "read again from the lost chunk, then from where the stream broke; never from the start"
     assert skopeo_digest(tools, f"{region_registry}/{repository}:big") == digest
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
+
+
+def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it_stopped(
+        tools, tmp_path, region_registry):
+    repository = _unique("stall")
+    size, chunk = 24 * 1024 * 1024, 4 * 1024 * 1024
+    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    layer = manifest["layers"][0]
+    proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "stall", stall_s=6)])
+    try:
+        with Registry(proxy.host, timeout=1.5) as source, Registry(region_registry) as target:
+            result = copy_image(source, repository, digest, target, repository, tags=["stalled"],
+                                options=CopyOptions(chunk_size=chunk))
+    finally:
+        proxy.stop()
+    reads = [entry[2] for entry in proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
+    assert reads == ["forwarded (200), body stall in half", "forwarded (206)"], "timed out, read again from there"
+    assert result.stats.source_reopened == 1 and result.stats.uploads_resumed == 0
+    assert result.stats.bytes_uploaded == layer["size"] + manifest["config"]["size"]
+    assert skopeo_digest(tools, f"{region_registry}/{repository}:stalled") == digest
 
 
 def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools, tmp_path, region_registry):
@@ -397,8 +500,10 @@ def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools
 def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools, tmp_path, region_registry):
     repository = _unique("flaky")
     digest = crane_image(tools, tmp_path, repository)
+    in_four_seconds = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=4), usegmt=True)
     proxy = FlakyProxy(region_registry, [
         Fault("HEAD", r"/manifests/", "status", status=429, retry_after="1"),
+        Fault("HEAD", r"/manifests/", "status", status=429, retry_after=in_four_seconds),
         Fault("HEAD", r"/blobs/", "status", status=503, times=2),
         Fault("POST", r"/blobs/uploads/", "drop"),
         Fault("PUT", r"/manifests/flaky$", "status", status=502),
@@ -410,8 +515,9 @@ def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools
     finally:
         proxy.stop()
     assert result.digest == digest
-    assert [f.served for f in proxy.faults] == [1, 2, 1, 1]
-    assert log.retries == 5 and log.waited_s >= 1.0, log
+    assert [f.served for f in proxy.faults] == [1, 1, 2, 1, 1]
+    # 1 s, then what is left of the four (an HTTP date counts whole seconds), then short backoffs.
+    assert log.retries == 6 and log.waited_s >= 2.5, log
     assert skopeo_digest(tools, f"{region_registry}/{repository}:flaky") == digest
 
 
@@ -431,6 +537,29 @@ def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(t
     assert httpx.head(f"http://{region_registry}/v2/{repository}/manifests/never").status_code == 404
 
 
+def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_status(tools, tmp_path, region_registry):
+    repository = _unique("slow-down")
+    digest = crane_image(tools, tmp_path, repository)
+    proxy = FlakyProxy(region_registry, [Fault("HEAD", r"/manifests/", "status", status=429, retry_after="3600")])
+    try:
+        with Registry(STAGING) as source, Registry(proxy.host) as target:
+            with pytest.raises(RegistryError) as raised:
+                copy_image(source, repository, digest, target, repository)
+            assert target.retry_log.retries == 0
+    finally:
+        proxy.stop()
+    assert raised.value.status == 429 and "HEAD manifest answered HTTP 429" in str(raised.value)
+
+
+def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(region_registry):
+    repository = _unique("missing")
+    with Registry(STAGING) as source, Registry(region_registry) as target:
+        with pytest.raises(RegistryError) as raised:
+            copy_image(source, repository, "v1", target, repository, tags=["v1"])
+        assert target.list_tags(repository) == set()
+    assert str(raised.value) == f"{STAGING}/{repository}:v1: no such manifest" and raised.value.status == 404
+
+
 # --- signatures, attestations, referrers ----------------------------------------------------
 
 def _cosign_env() -> dict[str, str]:
@@ -440,7 +569,7 @@ def _cosign_env() -> dict[str, str]:
     return {**os.environ, "COSIGN_PASSWORD": password.read_text().strip()}
 
 
-def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
+def test_signatures_attestations_and_sboms_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
     repository = _unique("signed")
     digest = crane_image(tools, tmp_path, repository)
     env, ref = _cosign_env(), f"{STAGING}/{repository}@{digest}"
@@ -450,6 +579,10 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
     predicate.write_text(json.dumps({"status": "passed", "digest": digest}))
     run([tools["cosign"], "attest", "--key", str(KEYS / "cosign.key"), "--type", "https://imagebuild.dev/test/v1",
          "--predicate", str(predicate), *offline, ref], env=env)
+    sbom = tmp_path / "sbom.json"
+    sbom.write_text(json.dumps({"bomFormat": "CycloneDX", "specVersion": "1.5", "components": []}))
+    run([tools["cosign"], "attach", "sbom", "--sbom", str(sbom), "--type", "cyclonedx", "--input-format", "json",
+         "--allow-http-registry", "--allow-insecure-registry", ref], env=env)
     target_ref = f"{region_registry}/{repository}@{digest}"
     verify = [tools["cosign"], "verify", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
               "--allow-insecure-registry", "--allow-http-registry"]
@@ -458,12 +591,15 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
         assert run([*verify, target_ref], env=env, check=False).returncode != 0, "no signature copied by default"
         result = copy_image(source, repository, digest, target, repository, tags=["v1"],
                             options=CopyOptions(signatures=True))
-    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, "att"), cosign_tag(digest, "sig")]
+    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, kind) for kind in ("att", "sbom", "sig")]
     verified = run([*verify, "--output", "json", target_ref], env=env)
     assert json.loads(verified.stdout)[0]["critical"]["image"]["docker-manifest-digest"] == digest
     run([tools["cosign"], "verify-attestation", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
          "--allow-insecure-registry", "--allow-http-registry", "--type", "https://imagebuild.dev/test/v1",
          target_ref], env=env)
+    sbom_copied = run([tools["cosign"], "download", "sbom", "--allow-http-registry", "--allow-insecure-registry",
+                       target_ref], env=env)
+    assert json.loads(sbom_copied.stdout)["bomFormat"] == "CycloneDX"
 
 
 def _push_blob(registry: str, repository: str, content: bytes) -> dict:
