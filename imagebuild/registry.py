@@ -412,9 +412,12 @@ class Registry:
 
     def copy_within(self, source_repository: str, digest: str, repository: str, tag: str) -> str:
         """Tag `source@digest` as `repository:tag` on this registry (blobs are mounted, not copied)."""
-        from .oci_copy import copy_image  # the copy engine builds on this client
+        from .oci_copy import CopyOptions, copy_image  # the copy engine builds on this client
+        from .oci_locations import BlobLocations
 
-        copy_image(self, source_repository, digest, self, repository, tags=(tag,))
+        # On one registry the source repository is where to mount from: no hints to keep.
+        copy_image(self, source_repository, digest, self, repository, tags=(tag,),
+                   options=CopyOptions(locations=BlobLocations()))
         return digest
 
     def put_blob(self, repository: str, content: bytes) -> str:

@@ -37,7 +37,9 @@ for variant in json.load(open(sys.argv[1]))["variants"]:
         print(variant["image"])  # repository@sha256:...
 PY
 )
-imagebuild verify --config examples/local/trust.yaml "${images[@]}"
+imagebuild verify --config examples/local/trust.yaml --require-provenance "${images[@]}"
+# The release record of the first image, verified: what went into it and what happened to it.
+imagebuild inspect --config examples/local/trust.yaml "${images[0]}"
 # The policies embed this machine's public key, so they go to the workdir, not the repository.
 imagebuild policies generate --config examples/local/trust.yaml --out "$workdir/admission"
 echo "done: build report with smoke, scan, gate and sign results in $workdir/build-report.json;"
