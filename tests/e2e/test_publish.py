@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import docker
 import pytest
 
 from imagebuild.layerstore import EngineStorage
@@ -60,7 +61,11 @@ def _uploads(counter: list[str]):
 def _base(engine) -> ImageRef:
     """The base the test images are built FROM, by the digest the engine pulled it at (the tag may
     have moved on in the registry since)."""
-    digests = engine.images.get(BASE).attrs["RepoDigests"]
+    try:
+        image = engine.images.get(BASE)
+    except docker.errors.ImageNotFound:  # an engine pruned since bootstrap: the registry has it
+        image = engine.images.pull(BASE)
+    digests = image.attrs["RepoDigests"]
     digest = next(d.split("@", 1)[1] for d in digests if d.startswith(BASE.rsplit(":", 1)[0] + "@"))
     return ImageRef.parse(f"{BASE}@{digest}")
 
