@@ -177,7 +177,7 @@ def _decode_auth(value: str, registry: str, path: Path) -> tuple[str, str]:
 @dataclass(frozen=True)
 class DockerConfig:
     path: Path
-    auths: dict[str, dict[str, str]]
+    auths: dict[str, dict[str, str]] = field(repr=False)  # holds secrets
     cred_helpers: dict[str, str]
     creds_store: str | None
 
@@ -308,7 +308,7 @@ class RegistryAuth(httpx.Auth):
             return self._resolved
 
     def _request_scopes(self, request: httpx.Request) -> tuple[str, ...]:
-        return scopes_for(request.method, request.url.path, dict(request.url.params))
+        return merge_scopes(scopes_for(request.method, request.url.path, dict(request.url.params)))
 
     def _cached(self, scopes: tuple[str, ...]) -> str | None:
         token = self._tokens.get(scopes)
@@ -392,7 +392,7 @@ class RegistryAuth(httpx.Auth):
             if challenge is not None and challenge.scheme == "bearer" and scopes:
                 # The registry wants tokens: get this scope's before sending (no 401 round trip,
                 # and a streamed body is never sent only to be refused).
-                token = yield from self._fetch_token(challenge, merge_scopes([*scopes]))
+                token = yield from self._fetch_token(challenge, scopes)
                 request.headers["Authorization"] = f"Bearer {token}"
         response = yield request
         if response.status_code != 401:

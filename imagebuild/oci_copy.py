@@ -3,18 +3,21 @@
 Only what the target lacks moves: a manifest the target already has by digest is skipped
 whole (a registry accepts a manifest only once its blobs and children are there), each blob
 is HEADed first, and on one registry a blob is mounted from the source repository instead of
-uploaded. Blobs are streamed in chunks and the digest of what was streamed is checked before
-the upload is committed; an interrupted chunk upload asks the registry how much it holds and
-continues from there. Manifests go last, children before their index, and tags after every
+uploaded. Other blobs stream from the source straight into PATCH windows (nothing held but a
+few reads), and the digest of what was streamed is checked before the upload is committed; an
+interrupted window asks the registry how much it holds and continues from there, and a source
+stream that breaks off is reopened where it stopped (a Range request). Manifests go last, children before their index, and tags after every
 manifest they reach (signatures included), so no tag ever names something incomplete.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import threading
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,13 +25,17 @@ import httpx
 from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryError
 
 MiB = 1024 * 1024
+READ_SIZE = MiB  # one read from the source, the most a streamed upload holds at once
+SMALL_BLOB = MiB  # configs, signatures, small layers: read whole (digest checked), one PUT
 # cosign's tag suffixes for a digest's signatures, attestations and attached SBOMs.
 COSIGN_SUFFIXES = ("sig", "att", "sbom")
 
 
 @dataclass(frozen=True)
 class CopyOptions:
-    chunk_size: int = 16 * MiB  # a blob larger than this is uploaded in chunks (PATCH with Content-Range)
+    # A blob larger than this goes in PATCH windows of this size (Content-Range), streamed from the
+    # source; an interruption costs at most one window.
+    chunk_size: int = 32 * MiB
     signatures: bool = False  # also copy cosign's sha256-<hex>.sig/.att/.sbom tags and OCI referrers
     concurrency: int = 4  # blobs moved at once
     resume_attempts: int = 5  # per blob: continuing an interrupted upload from where the registry stands
@@ -47,6 +54,7 @@ class CopyStats:
     tags_put: int = 0
     uploads_resumed: int = 0  # interrupted chunk uploads continued from the registry's offset
     uploads_restarted: int = 0  # interrupted uploads whose session was gone: the blob started over
+    source_reopened: int = 0  # source blob streams that broke off and were read again from there
     signature_tags: list[str] = field(default_factory=list)
     referrers: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -73,11 +81,119 @@ def cosign_tag(digest: str, suffix: str | None = None) -> str:
     return f"{base}.{suffix}" if suffix else base
 
 
-def _once(data: bytes) -> Iterator[bytes]:
-    """A request body that lets go of its bytes once sent. httpx's responses sit in reference
-    cycles with their requests, so a body given as bytes lives until the garbage collector
-    runs: one chunk per PATCH piled up, the whole blob by the end."""
-    yield data
+class _SourceBroke(Exception):
+    """The source's blob stream broke off or ended early."""
+
+
+class _Prefetch:
+    """Reads a source stream on its own thread, a few pieces ahead, so that receiving from the
+    source overlaps sending to the target (sockets and hashing release the GIL)."""
+
+    DEPTH = 4  # pieces read ahead: at most DEPTH * READ_SIZE bytes held
+
+    def __init__(self, stream: Iterator[bytes], stack: ExitStack):
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(self.DEPTH)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stream, stack), daemon=True,
+                                        name="imagebuild-blob-prefetch")
+        self._thread.start()
+
+    def _put(self, item: bytes | BaseException | None) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, stream: Iterator[bytes], stack: ExitStack) -> None:
+        try:
+            with stack:
+                for piece in stream:
+                    if not self._put(piece):
+                        return
+                self._put(None)
+        except (RegistryError, httpx.HTTPError) as exc:
+            self._put(exc)
+
+    def items(self) -> Iterator[bytes]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stop(self) -> None:
+        """Abandon the stream: the thread closes it after its current read; what it read ahead is dropped."""
+        self._stopped.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+class _BlobReader:
+    """One source blob read in order, reopened with a Range request wherever the upload needs it next."""
+
+    def __init__(self, source: Registry, repository: str, digest: str, read_size: int, attempts: int):
+        self.source, self.repository, self.digest, self.read_size = source, repository, digest, read_size
+        self.attempts = attempts  # reopenings in a row before giving up
+        self.reopened = 0
+        self._prefetch: _Prefetch | None = None
+        self._stream: Iterator[bytes] | None = None
+        self._position = 0  # the source offset of the next byte `pieces` yields
+        self._leftover = b""
+
+    def _open(self, offset: int) -> Iterator[bytes]:
+        self.reset()
+        stack = ExitStack()
+        response = stack.enter_context(self.source.open_blob(self.repository, self.digest, offset))
+        self._prefetch = _Prefetch(response.iter_bytes(self.read_size), stack)
+        self._position, self._stream = offset, self._prefetch.items()
+        return self._stream
+
+    def pieces(self, offset: int, length: int) -> Iterator[bytes]:
+        """The bytes [offset, offset + length) of the blob, in pieces of at most read_size.
+
+        A source stream that breaks off or stalls is opened again where it stopped, without the
+        consumer noticing: a PATCH being fed keeps going (cut short, Distribution would drop it).
+        """
+        stream = self._stream if self._stream is not None and self._position == offset else None
+        remaining = length
+        breaks = 0
+        while remaining > 0:
+            try:
+                if stream is None:
+                    stream = self._open(offset + length - remaining)
+                piece, self._leftover = self._leftover or next(stream, b""), b""
+            except (RegistryError, httpx.HTTPError) as exc:
+                self.reset()
+                stream = None
+                breaks += 1
+                self.reopened += 1
+                if breaks > self.attempts:
+                    raise _SourceBroke(str(exc)) from None
+                continue
+            if not piece:
+                self.reset()
+                raise _SourceBroke(f"{self.digest}: the source ended {remaining} bytes early")
+            if len(piece) > remaining:
+                piece, self._leftover = piece[:remaining], piece[remaining:]
+            self._position += len(piece)
+            remaining -= len(piece)
+            yield piece
+
+    def reset(self) -> None:
+        """Forget the open stream (it broke, or the upload goes on from elsewhere)."""
+        if self._prefetch is not None:
+            self._prefetch.stop()
+        self._prefetch, self._stream, self._leftover = None, None, b""
+
+    close = reset
 
 
 def _blobs(manifest: dict) -> list[dict]:
@@ -134,6 +250,8 @@ class _Copier:
 
     def blob(self, descriptor: dict) -> None:
         digest, size = descriptor["digest"], int(descriptor.get("size", -1))
+        if size < 0:
+            size = self.source.blob_size(self.source_repository, digest) or 0
         if self.target.blob_size(self.target_repository, digest) is not None:
             self.stats.add(blobs_present=1)
             return
@@ -145,7 +263,7 @@ class _Copier:
             location = mounted_or_session
         else:
             location = self.target.start_upload(self.target_repository)
-        if 0 <= size <= self.options.chunk_size:
+        if size <= SMALL_BLOB:
             self._upload_whole(location, digest)
         else:
             self._upload_chunked(location, digest, size)
@@ -174,84 +292,74 @@ class _Copier:
             return
         raise self.target._fail(response, "commit upload", self.target_repository, digest)
 
-    def _source_stream(self, digest: str, offset: int) -> Generator[bytes, None, None]:
-        with self.source.open_blob(self.source_repository, digest, offset) as response:
-            yield from response.iter_bytes(min(self.options.chunk_size, MiB))
-
     def _upload_chunked(self, location: str, digest: str, size: int) -> None:
-        """PATCH chunks in order; on an interruption ask the session's Range and continue from there.
+        """Stream the blob from the source into PATCH windows of `chunk_size` bytes, nothing buffered
+        beyond one read. After an interruption, ask the session how much it holds and go on from
+        there, reading the source again from that offset (a Range request).
 
         Distribution 2.x signs the offset into the session URL and cancels a session asked about
-        with a stale one (after a chunk whose answer was lost): then the blob starts over.
+        with a stale one (after a window that reached it but whose answer was lost): then the
+        blob starts over in a new session.
         """
-        chunk_size = self.options.chunk_size
-        hasher = hashlib.sha256()
-        offset = 0  # bytes the target has acknowledged (and hashed)
-        pending = b""  # read from the source, not yet acknowledged
-        stream: Generator[bytes, None, None] | None = None
+        reader = _BlobReader(self.source, self.source_repository, digest, min(self.options.chunk_size, READ_SIZE),
+                             self.options.resume_attempts)
+        hasher = hashlib.sha256()  # over the bytes [0, offset) the target acknowledged
+        offset = 0
         interruptions = 0
-        while True:
-            try:
-                if stream is None:
-                    stream = self._source_stream(digest, offset + len(pending))
-                while len(pending) < chunk_size:
-                    piece = next(stream, None)
-                    if piece is None:
-                        break
-                    pending += piece
-            except (RegistryError, httpx.HTTPError):
-                # The source dropped the stream: open it again after what we hold.
-                stream = None
+        try:
+            while offset < size:
+                length = min(self.options.chunk_size, size - offset)
+                window = hasher.copy()
+                status, new_location = self._patch(location, reader, offset, length, window)
+                if status == 202:
+                    hasher, offset = window, offset + length
+                    location = new_location or location
+                    continue
                 interruptions += 1
                 if interruptions > self.options.resume_attempts:
-                    raise
-                continue
-            if not pending:
-                break
-            piece = pending[:chunk_size]
-            self.stats.add(bytes_uploaded=len(piece))
-            status, new_location = self._patch(location, piece, offset)
-            if status == 202:
-                hasher.update(piece)
-                offset += len(piece)
-                pending = pending[len(piece):]
-                location = new_location or location
-                continue
-            interruptions += 1
-            if interruptions > self.options.resume_attempts:
-                raise self._fail("upload blob", f"{digest}: gave up after {interruptions - 1} interrupted chunk "
-                                 f"uploads (last: {'connection lost' if status == 0 else f'HTTP {status}'})", status)
-            held = self.target.upload_offset(self.target_repository, location)
-            if held is None or not 0 <= held - offset <= len(piece):
-                self.stats.add(uploads_restarted=1)
-                location = self.target.start_upload(self.target_repository)
-                hasher, offset, pending = hashlib.sha256(), 0, b""
-                if stream is not None:
-                    stream.close()
-                stream = None
-                continue
-            self.stats.add(uploads_resumed=1)
-            accepted = held - offset
-            hasher.update(piece[:accepted])
-            offset, pending = held, pending[accepted:]
+                    raise self._fail("upload blob", f"{digest}: gave up after {interruptions - 1} interrupted "
+                                     f"chunks (last: {'connection lost' if status == 0 else f'HTTP {status}'})",
+                                     status or None)
+                held = self.target.upload_offset(self.target_repository, location)
+                if held is None or not offset <= held <= offset + length:
+                    self.stats.add(uploads_restarted=1)
+                    location = self.target.start_upload(self.target_repository)
+                    hasher, offset = hashlib.sha256(), 0
+                    continue
+                self.stats.add(uploads_resumed=1)
+                for piece in reader.pieces(offset, held - offset):  # kept by the registry: hash, don't send
+                    hasher.update(piece)
+                offset = held
+        finally:
+            reader.close()
+            self.stats.add(source_reopened=reader.reopened)
         actual = "sha256:" + hasher.hexdigest()
-        if actual != digest or (size >= 0 and offset != size):
+        if actual != digest:
             self.target._request("DELETE", location, repository=self.target_repository, operation="cancel upload")
             raise RegistryError(f"{self.source.registry}/{self.source_repository}@{digest}: the blob streamed "
                                 f"({offset} bytes) hashes to {actual}", registry=self.source.registry,
                                 repository=self.source_repository, operation="GET blob")
         self._commit(location, digest)
 
-    def _patch(self, location: str, piece: bytes, offset: int) -> tuple[int, str | None]:
-        """Send one chunk: (status, the session's next URL); a lost connection reads as status 0."""
-        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(piece)),
-                   "Content-Range": f"{offset}-{offset + len(piece) - 1}"}
+    def _patch(self, location: str, reader: _BlobReader, offset: int, length: int,
+               hasher: hashlib._Hash) -> tuple[int, str | None]:
+        """Send one window: (status, the session's next URL); a lost connection, on either side, is status 0."""
+        def body() -> Iterator[bytes]:
+            for piece in reader.pieces(offset, length):
+                hasher.update(piece)
+                self.stats.add(bytes_uploaded=len(piece))
+                yield piece
+
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length),
+                   "Content-Range": f"{offset}-{offset + length - 1}"}
         try:
-            response = self.target.client.request("PATCH", location, content=_once(piece), headers=headers)
-        except httpx.TransportError:
+            response = self.target.client.request("PATCH", location, content=body(), headers=headers)
+        except (httpx.TransportError, httpx.StreamError, _SourceBroke):
+            reader.reset()
             return 0, None
         if response.status_code == 202:
             return 202, self.target._location(response) if "location" in response.headers else None
+        reader.reset()
         if response.status_code in (416, 429) or response.status_code >= 500:
             return response.status_code, None
         raise self.target._fail(response, "upload chunk", self.target_repository)

@@ -112,37 +112,32 @@ class RetryingTransport(httpx.BaseTransport):
         retry = 0
         while True:
             last_try = retry + 1 >= self.policy.attempts or not _replayable(request)
-            error: httpx.TransportError | None = None
             try:
                 response = self.inner.handle_request(request)
-            except httpx.TransportError as exc:
+                if response.status_code not in RETRY_STATUSES:
+                    return self._read_small(request, response, last_try)
+            except httpx.TransportError as exc:  # no answer, or a body cut short
                 if last_try or tls_failure(exc) or isinstance(exc, httpx.UnsupportedProtocol):
                     raise
-                error, reason, wait = exc, exc.__class__.__name__, self.policy.delay(retry, None, self._rng)
-                response = None
-            if response is not None and response.status_code not in RETRY_STATUSES:
-                try:
-                    return self._read_small(request, response, last_try)
-                except httpx.TransportError as exc:  # the body broke off: the same as a dropped connection
-                    error, reason, wait, response = exc, exc.__class__.__name__, self.policy.delay(retry, None, self._rng), None
-            if response is not None:
-                if last_try:
-                    return response
-                retry_after = parse_retry_after(response.headers.get("retry-after"))
-                wait = self.policy.delay(retry, retry_after, self._rng)
-                if wait is None:
-                    return response
-                response.read()
-                response.close()
-                reason = f"HTTP {response.status_code}"
-            assert wait is not None
-            if time.monotonic() - started + wait > self.policy.max_elapsed_s:
-                if error is not None or response is None:
-                    raise error or httpx.ConnectError("gave up", request=request)
+                wait = self.policy.delay(retry, None, self._rng)
+                assert wait is not None  # without a Retry-After there is always a backoff
+                if time.monotonic() - started + wait > self.policy.max_elapsed_s:
+                    raise
+                self._pause(request, exc.__class__.__name__, wait)
+                retry += 1
+                continue
+            retry_after = parse_retry_after(response.headers.get("retry-after"))
+            delay = None if last_try else self.policy.delay(retry, retry_after, self._rng)
+            if delay is None or time.monotonic() - started + delay > self.policy.max_elapsed_s:
                 return response
-            self.log.record(f"{request.method} {request.url.path}: {reason}", wait)
-            self._sleep(wait)
+            response.read()
+            response.close()
+            self._pause(request, f"HTTP {response.status_code}", delay)
             retry += 1
+
+    def _pause(self, request: httpx.Request, reason: str, wait: float) -> None:
+        self.log.record(f"{request.method} {request.url.path}: {reason}", wait)
+        self._sleep(wait)
 
     @staticmethod
     def _read_small(request: httpx.Request, response: httpx.Response, last_try: bool) -> httpx.Response:

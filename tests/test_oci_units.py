@@ -104,6 +104,7 @@ def test_auths_entries_decode_robot_names_intact_whatever_the_key_spelling(tmp_p
     assert config.from_auths("registry.example.com:5443") == Credentials("alice", "pw")
     assert config.from_auths("registry-1.docker.io") == Credentials("", "", "refresh-me")
     assert config.from_auths("elsewhere.example.com") is None
+    assert password not in repr(config) and auth not in repr(config) and "refresh-me" not in repr(config)
 
 
 def test_a_missing_config_means_anonymous_and_a_broken_one_is_an_error_without_its_content(tmp_path):

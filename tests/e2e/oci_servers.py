@@ -182,6 +182,7 @@ class TokenIssuer:
     requests: list[TokenRequest] = field(default_factory=list)
     # OAuth2 refresh tokens (docker's `identitytoken`) -> the user they stand for.
     refresh_tokens: dict[str, str] = field(default_factory=dict)
+    issued: list[str] = field(default_factory=list)  # every token handed out (none may be logged)
 
     def __post_init__(self) -> None:
         self.key, self.cert = self_signed("imagebuild test token issuer", ca=False)
@@ -255,6 +256,7 @@ class TokenIssuer:
         signing_input = f"{_b64url(json.dumps(header_json).encode())}.{_b64url(json.dumps(claims).encode())}"
         r, s = decode_dss_signature(self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
         token = f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+        self.issued.append(token)
         body = json.dumps({"token": token, "access_token": token, "expires_in": self.lifetime_s}).encode()
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
@@ -271,7 +273,8 @@ class Fault:
 
     kinds: "status" (answer `status`, with Retry-After when given); "drop" (read the request,
     close the connection); "forward-drop" (the registry gets and handles the request, the
-    client never hears back); "cut" (forward, then close after half the response body).
+    client never hears back); "cut" (forward, then close after half the response body); "stall"
+    (forward, then stop sending after half the response body for `stall_s`, then close).
     """
 
     method: str
@@ -281,6 +284,7 @@ class Fault:
     status: int = 503
     retry_after: str | None = None
     after: int = 0  # let this many matching requests through first
+    stall_s: float = 5.0
     served: int = 0
     seen: int = 0
 
@@ -376,9 +380,12 @@ class FlakyProxy:
                 return
             sent = 0
             for piece in response.iter_raw():
-                if fault and fault.kind == "cut" and sent + len(piece) > total // 2:
+                if fault and fault.kind in ("cut", "stall") and sent + len(piece) > total // 2:
                     handler.wfile.write(piece[: total // 2 - sent])
-                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body cut in half")
+                    handler.wfile.flush()
+                    self.log[entry] = (method, path, f"forwarded ({response.status_code}), body {fault.kind} in half")
+                    if fault.kind == "stall":
+                        time.sleep(fault.stall_s)
                     self._close(handler)
                     return
                 handler.wfile.write(piece)

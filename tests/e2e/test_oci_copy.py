@@ -12,6 +12,8 @@ import logging
 import os
 import tracemalloc
 import uuid
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,14 @@ import pytest
 from imagebuild.oci_auth import Credentials
 from imagebuild.oci_copy import CopyOptions, copy_image, cosign_tag
 from imagebuild.oci_retry import RetryPolicy
-from imagebuild.registry import OCI_INDEX, OCI_MANIFEST, Registry, RegistryAuthError, RegistryError
+from imagebuild.registry import (
+    DOCKER_MANIFEST_LIST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Registry,
+    RegistryAuthError,
+    RegistryError,
+)
 
 from .conftest import STAGING
 from .oci_servers import (
@@ -184,17 +193,19 @@ def test_wrong_credentials_fail_in_one_line_naming_the_registry_and_never_the_se
     message = str(raised.value)
     assert "\n" not in message and basic_registry in message and repository in message and "401" in message
     assert raised.value.status == 401
+    header = base64.b64encode(f"{ROBOT}:{canary}".encode()).decode()  # what went over the wire
+    assert "HTTP Request: PUT" not in caplog.text and "HTTP Request: HEAD http" in caplog.text
     for text in (message, repr(raised.value), repr(target), repr(target.auth), repr(target.auth.credentials),
                  str(target.auth.credentials), caplog.text):
-        assert canary not in text
-    assert canary not in base64.b64decode(base64.b64encode(message.encode())).decode()
+        assert canary not in text and header not in text
     target.close()
 
 
 # --- token auth -----------------------------------------------------------------------------
 
 def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, tmp_path, token_registry,
-                                                                          token_service, passwords):
+                                                                          token_service, passwords, caplog):
+    caplog.set_level(logging.DEBUG)
     repository = _unique("token")
     first, second = crane_image(tools, tmp_path, repository), None
     before = len(token_service.requests)
@@ -207,6 +218,9 @@ def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, 
     assert any(f"repository:{repository}:pull,push" in request.granted for request in asked)
     # One token per scope (pull; pull+push), reused for every request of both copies.
     assert len(asked) <= 2, asked
+    assert "HTTP Request: GET http://127.0.0.1" in caplog.text, "httpx's request log was captured"
+    for secret in (passwords[ROBOT], *token_service.issued):
+        assert secret not in caplog.text, "neither the password nor a token is logged"
     creds = f"{ROBOT}:{passwords[ROBOT]}"
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v1", creds=creds) == first
     assert skopeo_digest(tools, f"{token_registry}/{repository}:v2", creds=creds) == second
@@ -292,16 +306,21 @@ def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools,
 
 # --- copies ---------------------------------------------------------------------------------
 
-def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry):
+@pytest.mark.parametrize(("flags", "media_type"), [
+    ([], OCI_INDEX),
+    (["--docker-empty-base"], DOCKER_MANIFEST_LIST),
+], ids=["oci-index", "docker-manifest-list"])
+def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry,
+                                                                              flags, media_type):
     repository = _unique("index")
     children = [crane_image(tools, tmp_path, f"{repository}-{n}") for n in range(2)]
     index_ref = f"{STAGING}/{repository}:multi"
-    run([tools["crane"], "index", "append", "--insecure", "-t", index_ref,
+    run([tools["crane"], "index", "append", "--insecure", *flags, "-t", index_ref,
          *[arg for n, d in enumerate(children) for arg in ("-m", f"{STAGING}/{repository}-{n}@{d}")]])
     index_digest = run([tools["crane"], "digest", "--insecure", index_ref]).stdout.strip()
     with Registry(STAGING) as source, Registry(region_registry) as target:
         first = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
-        assert first.media_type in (OCI_INDEX, "application/vnd.docker.distribution.manifest.list.v2+json")
+        assert first.media_type == media_type
         assert first.stats.manifests_put == 3 and first.stats.blobs_uploaded == 4 and first.stats.bytes_uploaded > 0
         again = copy_image(source, repository, index_digest, target, repository, tags=["multi"])
     assert again.stats.bytes_uploaded == 0 and again.stats.blobs_uploaded == 0 and again.stats.manifests_put == 0
@@ -347,9 +366,9 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     layer = manifest["layers"][0]
     chunks = -(-layer["size"] // chunk)
     assert chunks > 8
-    # The source drops the layer's stream half-way once (read again from there with a Range
-    # request); the third chunk is lost before it reaches the target.
-    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut")])
+    # The third chunk is lost before it reaches the target (the source is read again from that
+    # chunk's start); then the source's stream breaks off half-way (read again from there).
+    source_proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "cut", after=1)])
     target_proxy = FlakyProxy(region_registry, [Fault("PATCH", r"/blobs/uploads/", "drop", after=2)])
     tracemalloc.start()
     try:
@@ -361,16 +380,39 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
         tracemalloc.stop()
         source_proxy.stop()
         target_proxy.stop()
-    assert peak < 4 * chunk, f"streamed: {peak} bytes at most in memory for a {layer['size']}-byte blob"
+    # Streamed: what this process held at most (the two proxies included) is a fraction of the blob.
+    assert peak < layer["size"] // 3, f"{peak} bytes in memory at once for a {layer['size']}-byte blob"
     assert target_proxy.faults[0].served == 1 and source_proxy.faults[0].served == 1
     assert result.stats.uploads_resumed == 1 and result.stats.uploads_restarted == 0
+    assert result.stats.source_reopened == 1
     patches = [entry for entry in target_proxy.log if entry[0] == "PATCH"]
     assert len(patches) == chunks + 1, "the lost chunk was sent again, nothing else"
     assert result.stats.bytes_uploaded == layer["size"] + chunk + manifest["config"]["size"]
     reads = [entry[2] for entry in source_proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
-    assert reads == ["forwarded (200), body cut in half", "forwarded (206)"], "picked up again, not restarted"
+    assert reads == ["forwarded (200)", "forwarded (206), body cut in half", "forwarded (206)"], \
+        "read again from the lost chunk, then from where the stream broke; never from the start"
     assert skopeo_digest(tools, f"{region_registry}/{repository}:big") == digest
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
+
+
+def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it_stopped(
+        tools, tmp_path, region_registry):
+    repository = _unique("stall")
+    size, chunk = 24 * 1024 * 1024, 4 * 1024 * 1024
+    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    layer = manifest["layers"][0]
+    proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "stall", stall_s=6)])
+    try:
+        with Registry(proxy.host, timeout=1.5) as source, Registry(region_registry) as target:
+            result = copy_image(source, repository, digest, target, repository, tags=["stalled"],
+                                options=CopyOptions(chunk_size=chunk))
+    finally:
+        proxy.stop()
+    reads = [entry[2] for entry in proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
+    assert reads == ["forwarded (200), body stall in half", "forwarded (206)"], "timed out, read again from there"
+    assert result.stats.source_reopened == 1 and result.stats.uploads_resumed == 0
+    assert result.stats.bytes_uploaded == layer["size"] + manifest["config"]["size"]
+    assert skopeo_digest(tools, f"{region_registry}/{repository}:stalled") == digest
 
 
 def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools, tmp_path, region_registry):
@@ -397,8 +439,10 @@ def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools
 def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools, tmp_path, region_registry):
     repository = _unique("flaky")
     digest = crane_image(tools, tmp_path, repository)
+    in_four_seconds = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=4), usegmt=True)
     proxy = FlakyProxy(region_registry, [
         Fault("HEAD", r"/manifests/", "status", status=429, retry_after="1"),
+        Fault("HEAD", r"/manifests/", "status", status=429, retry_after=in_four_seconds),
         Fault("HEAD", r"/blobs/", "status", status=503, times=2),
         Fault("POST", r"/blobs/uploads/", "drop"),
         Fault("PUT", r"/manifests/flaky$", "status", status=502),
@@ -410,8 +454,9 @@ def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools
     finally:
         proxy.stop()
     assert result.digest == digest
-    assert [f.served for f in proxy.faults] == [1, 2, 1, 1]
-    assert log.retries == 5 and log.waited_s >= 1.0, log
+    assert [f.served for f in proxy.faults] == [1, 1, 2, 1, 1]
+    # 1 s, then what is left of the four (an HTTP date counts whole seconds), then short backoffs.
+    assert log.retries == 6 and log.waited_s >= 2.5, log
     assert skopeo_digest(tools, f"{region_registry}/{repository}:flaky") == digest
 
 
