@@ -241,6 +241,31 @@ class SignStage(StageRecord):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@stage_record("push")
+@dataclass
+class PushStage(StageRecord):
+    """`imagebuild push`: the image copied by digest to its release repository, audited there, then tagged (push.py)."""
+
+    status: StageStatus  # passed, failed, refused, interrupted
+    digest: str | None = None  # the image pushed: a rerun is a no-op only while this is still the variant's digest
+    source: str | None = None  # repository@digest it was copied from
+    target: str | None = None  # the release repository (registry/path)
+    tags: list[str] = field(default_factory=list)  # release tags naming `digest` in the target after this run
+    tags_written: list[str] = field(default_factory=list)  # written by this run (moved ones included)
+    tags_moved: list[dict[str, str]] = field(default_factory=list)  # {tag, from, to, reason}: --force, audit-logged
+    tags_refused: list[str] = field(default_factory=list)  # naming another digest there (immutable without --force)
+    bytes_uploaded: int = 0  # blob bytes this run sent to the target
+    blobs_uploaded: int = 0
+    blobs_reused: int = 0  # already in the target, or mounted from another repository of it
+    blobs_mounted: int = 0
+    signature_tags: list[str] = field(default_factory=list)  # cosign's sha256-<hex>.sig/.att copied with it
+    audit: dict[str, Any] | None = None  # push_plan.AuditResult.to_dict(): digest, key, attestations, problems
+    audited_at: str | None = None
+    harbor: dict[str, Any] | None = None  # Harbor's scan overview of the artifact, with --harbor-url
+    reason: str | None = None  # why refused or failed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 Stage = StageRecord | dict[str, Any]  # a typed record, or the dict of a stage no class is registered for
 
 

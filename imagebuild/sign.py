@@ -347,6 +347,27 @@ def refusal(variant: VariantRecord) -> str | None:
     return require_smoke_passed(variant) or release_refusal(variant.id, variant.digest, variant.stages)
 
 
+def require_signed(variant: VariantRecord) -> str | None:
+    """The gate for push: None when the variant was signed (stages.sign passed) for its very digest, else why not.
+
+    Smoke and gate are checked again too: a report edited after signing cannot slip past them.
+    The report can still lie, so push also verifies the signature in the registry before copying.
+    """
+    why = refusal(variant)
+    if why:
+        return why
+    record = variant.stages.get("sign")
+    sign = record if isinstance(record, SignStage) else None
+    if sign is None:
+        return f"{variant.id}: not signed (run `imagebuild sign` first)"
+    if sign.status != StageStatus.PASSED:
+        return f"{variant.id}: signing {sign.status}: {sign.reason or 'no reason recorded'}"
+    if sign.digest != variant.digest:
+        return (f"{variant.id}: signed {sign.digest}, but the variant is now {variant.digest} "
+                "(rebuilt since; sign it again)")
+    return None
+
+
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -16,12 +16,13 @@ from .build_command import build
 from .harbor_command import harbor_group
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
+from .push_command import promote_command, push_command
 from .scan_commands import gate_command, scan
 from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify")
+PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "push", "promote")
 
 
 class PipelineGroup(click.Group):
@@ -58,6 +59,8 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
 cli.add_command(verify_command)
 cli.add_command(admission_group)
 cli.add_command(harbor_group)
+cli.add_command(push_command)
+cli.add_command(promote_command)
 
 
 def main() -> None:
