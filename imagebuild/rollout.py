@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
-import importlib
 import json
 import os
 import secrets
@@ -31,23 +30,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import rollout_gates as gates
 from .oci_copy import CopyOptions, copy_image, cosign_tag
 from .oci_retry import RetryPolicy
 from .registry import OCI_MANIFEST, ImageRef, Registry, RegistryError, RegistryUnreachable
-from .release import GateSpec, Region, ReleaseConfig
+from .release import ApprovalGate, GateSpec, Region, ReleaseConfig
 from .rollout_plan import RollbackStep, Step, StepKind, plan_rollback, plan_rollout
 from .trust import TrustConfig, load_trust_config
 from .verify import Verifier
-
-
-def _gates_module() -> Any:
-    try:
-        return importlib.import_module("imagebuild.rollout_gates")
-    except ModuleNotFoundError:  # until the gates branch is merged: soak, signature and approval only
-        return importlib.import_module("imagebuild.rollout_gates_minimal")
-
-
-gates: Any = _gates_module()
 
 SCHEMA = 1
 RECORD_TYPE = "application/vnd.imagebuild.rollout.record.v1+json"
@@ -57,6 +47,7 @@ CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
 EMPTY_CONFIG = b"{}"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 
+FINISHED = frozenset({"completed", "halted", "aborted", "rolled-back"})
 EXIT_DONE, EXIT_HALTED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_LEASE_HELD = 0, 1, 2, 3, 4
 
 # Test hooks: SIGKILL this process after step N's effect but before it is recorded (MIDSTEP),
@@ -70,6 +61,7 @@ RETRY_BASE_ENV = "IMAGEBUILD_ROLLOUT_RETRY_BASE_S"
 _CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW",
                  "GITHUB_SHA", "GITLAB_USER_LOGIN", "CI_PROJECT_PATH", "CI_PIPELINE_ID", "CI_JOB_ID", "BUILD_URL")
 _REGION_ATTEMPTS = 4  # a region's registry gets this many tries (backoff between) before the rollout halts
+_GATE_ATTEMPTS = 3  # a gate that cannot reach its service is asked this many times before the rollout halts
 _REGION_RETRIES = RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=1.0, max_elapsed_s=3.0, max_retry_after_s=5.0)
 
 
@@ -213,9 +205,12 @@ class Lease:
         if float(held.get("expires_at", 0)) <= now:
             return False  # expired: its holder crashed or hung; recoverable by design
         # The same rollout, left behind by a process of ours that is gone (killed): take it over.
-        same_rollout_dead = (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
-                             and not _pid_alive(int(held.get("pid", 0))))
-        return not same_rollout_dead
+        if (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
+                and not _pid_alive(int(held.get("pid", 0)))):
+            return False
+        # A rollout that finished (killed between recording its end and releasing the lease) holds nothing.
+        record = self.store.read(record_tag(str(held.get("rollout", ""))))
+        return not (record and record.get("status") in FINISHED and held.get("rollout") != self.rollout_id)
 
     @staticmethod
     def describe(held: dict[str, Any], now: float) -> str:
@@ -243,14 +238,15 @@ class Lease:
         self.renewed_at = now
 
     def renew(self, force: bool = False) -> None:
+        """Before every step: still ours? (else stop: another rollout overwrote it); rewritten when a third is used."""
         now = time.time()
-        if not force and now - self.renewed_at < self.ttl_s / 3:
-            return
         for tag, channel in zip(self.tags, sorted(self.channels)):
             held = self.store.read(tag)
             if not held or held.get("nonce") != self.nonce:
                 other = self.describe(held, now) if held else "the lease is gone"
                 raise LeaseHeld(f"lost the lease of channel '{channel}': {other}")
+        if not force and now - self.renewed_at < self.ttl_s / 3:
+            return
         mine = self._mine(now)
         for tag in self.tags:
             self.store.write(tag, mine, LEASE_TYPE)
@@ -426,6 +422,10 @@ class Reconciler:
                 last = exc
             except _RegionDown as exc:
                 last = exc
+            except RegistryError as exc:  # refused (auth, a bad manifest): retrying does not help
+                if exc.registry != region.registry:
+                    raise
+                raise _Halt(f"region {region.name} ({region.registry}): {exc}") from None
             if attempt + 1 < _REGION_ATTEMPTS:
                 delay = self.retry_base_s * 2 ** attempt
                 self.out(f"  region {region.name} ({region.registry}) unreachable; retrying in {delay:g}s")
@@ -503,6 +503,7 @@ class Reconciler:
         sig = cosign_tag(self.digest, "sig")
         if self._in_region(region, lambda: target.head_manifest(region.repository, self.digest) is not None
                            and target.head_manifest(region.repository, sig) is not None):
+            self.journal.event("copy", region=region.name, to=self.digest, detail="already present with its signature")
             return {"copied": False, "detail": "already present with its signature"}
         source = Registry(self.source_registry, retry=_REGION_RETRIES)
         try:
@@ -552,6 +553,10 @@ class Reconciler:
         target = self.registry(region)
         current = self._in_region(region, lambda: target.head_manifest(region.repository, tag))
         if current == self.digest:
+            previous = self.record["previous"][key]
+            if previous != self.digest:  # moved by a run of this rollout killed before it recorded the move
+                self.journal.event("move-tag", wave=wave, region=region.name, tag=tag,
+                                   detail="found moved (a killed run moved it)", **{"from": previous, "to": self.digest})
             return {"moved": False, "detail": "already at the digest"}
         if region.name not in self._verified_here:
             self._verify_in(region)  # resumed: the region's copy is checked again before any tag points at it
@@ -566,30 +571,43 @@ class Reconciler:
         state["state"] = "gating"
         if state.get("moved_at") is None:
             state["moved_at"] = time.time()
-        specs: list[tuple[GateSpec, Region]] = [(spec, self.config.region(name))
-                                               for spec in wave.gates for name in wave.regions]
+        # Each gate per region of the wave; approval is wave-wide, asked once.
+        specs: list[tuple[GateSpec, Region]] = [
+            (spec, self.config.region(name)) for spec in wave.gates
+            for name in (wave.regions[:1] if isinstance(spec, ApprovalGate) else wave.regions)]
         last_saved = 0.0
         last_line = ""
+        unreachable: dict[tuple[str, str | None], int] = {}
         while True:
             if self._abort_requested():
                 raise _Halt("abort requested while waiting on the gates", EXIT_HALTED, status="aborted")
             self.lease.renew()
-            approvals = self._approvals(step.wave) if any(s.kind == "approval" for s, _ in specs) else ()
+            approvals = self._approvals(step.wave) if any(isinstance(s, ApprovalGate) for s, _ in specs) else ()
             results = []
             for spec, region in specs:
                 ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
                                         digest=self.digest, channels=tuple(self.record["channels"]),
                                         moved_at=float(state["moved_at"]), approvals=approvals, trust=self.trust,
-                                        now=time.time())
+                                        now=time.time(), rollout_id=self.record["id"],
+                                        workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
             state["gates"] = [_result_dict(result) for result in results]
-            failed = [r for r in results if r.outcome == gates.GateOutcome.FAILED]
+            # A gate whose service could not be reached says so with a retry_in_s: asked again a few
+            # times before the rollout halts on it.
+            failed = []
+            for result in results:
+                if result.outcome != gates.GateOutcome.FAILED:
+                    continue
+                key = (result.gate, result.region)
+                unreachable[key] = unreachable.get(key, 0) + 1
+                if result.retry_in_s is None or unreachable[key] >= _GATE_ATTEMPTS:
+                    failed.append(result)
             if failed:
                 state["state"] = "failed"
                 first = failed[0]
                 self.journal.event("gates", wave=step.wave, gates=state["gates"])
                 raise _Halt(f"wave {step.wave}: gate {first.gate} failed in region {first.region}: {first.detail}")
-            waiting = [r for r in results if r.outcome == gates.GateOutcome.WAITING]
+            waiting = [r for r in results if r.outcome != gates.GateOutcome.PASSED]
             if not waiting:
                 state["state"] = "passed"
                 self.journal.event("gates", wave=step.wave, gates=state["gates"])
@@ -702,9 +720,9 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     ref = ImageRef.parse(image)
     if not ref.digest:
         raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
+    steps = plan_rollout(config, ref.digest, channels)
     trust = _trust(config)
     out(f"source {image}: {check_source(trust, image)}")
-    steps = plan_rollout(config, ref.digest, channels)
     rollout_id = new_rollout_id()
     store = open_store(config)
     record = new_record(config, rollout_id, image, ref.digest, channels, steps)
@@ -737,8 +755,6 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lea
 def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path) -> tuple[Journal, Lease]:
     store = open_store(config)
     record = load_record(store, rollout_id)
-    if Path(record["release"]).resolve() != config.path.resolve():
-        pass  # another copy of the release file is fine; its regions decide where tags are
     return Journal(store, local_dir, record), lease_for(config, store, record)
 
 

@@ -17,12 +17,15 @@ from .harbor_command import harbor_group
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
 from .push_command import promote_command, push_command
+from .rollout_command import rollout_group
 from .scan_commands import gate_command, scan
 from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "push", "promote")
+PIPELINE_ORDER = (
+    "validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "push", "promote", "rollout",
+)
 
 
 class PipelineGroup(click.Group):
@@ -61,6 +64,7 @@ cli.add_command(admission_group)
 cli.add_command(harbor_group)
 cli.add_command(push_command)
 cli.add_command(promote_command)
+cli.add_command(rollout_group)
 
 
 def main() -> None:

@@ -1,0 +1,254 @@
+"""imagebuild rollout: move channel tags region by region (planning in rollout_plan.py, effects in rollout.py)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..source import InputError
+from .common import reports_input_errors
+
+DEFAULT_RELEASE = Path("release.yaml")
+DEFAULT_STATE_DIR = Path(".imagebuild/rollouts")
+
+release_option = click.option(
+    "--release", "release_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_RELEASE,
+    show_default=True, help="The release file: regions, channels, waves and their gates.")
+state_dir_option = click.option(
+    "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_STATE_DIR, show_default=True,
+    help="Local copy of the records and audit.jsonl (the state registry holds the truth).")
+
+
+def _out(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _load(release_path: Path) -> Any:
+    from ..release import load_release
+
+    return load_release(release_path)
+
+
+def _finish(action: Any) -> None:
+    """Run a rollout action; its exit code ends the command, a RolloutError is one line."""
+    from ..rollout import RolloutError
+    from ..rollout_plan import PlanError
+
+    try:
+        code = action()
+    except PlanError as exc:
+        raise InputError("--channel/--image", None, "", str(exc)) from None
+    except RolloutError as exc:
+        click.echo(f"error: rollout: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(code)
+
+
+@click.group("rollout")
+def rollout_group() -> None:
+    """Staged rollout of an image to channel tags, region by region in waves, with gates.
+
+    A rollout copies the image by digest (signatures included) into each region of a wave,
+    verifies it there, records every channel tag's previous digest, moves the tags, then waits
+    on the wave's gates (soak, signature, smoke, Prometheus, HTTP health, approval) before
+    the next wave. Its record, lease and audit trail live in the release's state registry, so
+    `status`, `resume` and `rollback` work from any machine or CI job.
+
+    \b
+    Exit codes: 0 done; 1 halted (a gate or check failed), aborted or failed; 2 bad input;
+    3 a registry unreachable (the rollout halts naming the region); 4 the channel's lease is
+    held by another rollout.
+
+    \b
+    Examples:
+      imagebuild rollout start --release release.yaml --image 127.0.0.1:5000/imagebuild/paddle@sha256:... \\
+          --channel stable --channel 2.6-gpu-cuda11.8
+      imagebuild rollout start --variant 3.3.1-cpu-py3.12 --workdir work --channel stable
+      imagebuild rollout status                       # the latest rollout of the release's channels
+      imagebuild rollout status 20261201t053000-ab12cd --format json
+      imagebuild rollout approve 20261201t053000-ab12cd --wave canary
+      imagebuild rollout resume 20261201t053000-ab12cd   # after a crash, a halt, a registry outage
+      imagebuild rollout abort 20261201t053000-ab12cd
+      imagebuild rollout rollback 20261201t053000-ab12cd
+    """
+
+
+def _variant_image(workdir: Path, variant_id: str) -> str:
+    """The variant's repository@digest from the build report, refused unless gated and signed for that digest."""
+    from ..report import BuildReport, GateStage, SignStage, StageStatus
+
+    report_path = workdir / "build-report.json"
+    report = BuildReport.read(report_path)
+    variant = next((v for v in report.variants if v.id == variant_id), None)
+    if variant is None:
+        raise InputError(str(report_path), None, "variants", f"no variant '{variant_id}' in the build report")
+    if not variant.image or not variant.digest:
+        raise InputError(str(report_path), None, f"variants.{variant_id}", "not built (no digest recorded)")
+    for kind, word in ((GateStage, "gated"), (SignStage, "signed")):
+        stage = variant.stage(kind)
+        if stage is None or stage.status != StageStatus.PASSED or getattr(stage, "digest", None) != variant.digest:
+            from ..rollout import RolloutError
+
+            raise RolloutError(f"refusing to roll out {variant.image}: the build report does not show it {word} "
+                               f"for this digest (run imagebuild {'gate' if kind is GateStage else 'sign'})")
+    return variant.image
+
+
+@rollout_group.command("start")
+@release_option
+@click.option("--image", default=None, metavar="REF@DIGEST", help="The image to roll out, by digest (in staging).")
+@click.option("--variant", "variant_id", default=None, metavar="ID", help="A variant of the build report in --workdir.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where build-report.json is (with --variant).")
+@click.option("--channel", "channels", multiple=True, required=True, metavar="TAG",
+              help="A channel tag to move (repeat); each must be listed under the release's channels.")
+@state_dir_option
+@reports_input_errors
+def start_command(release_path: Path, image: str | None, variant_id: str | None, workdir: Path | None,
+                  channels: tuple[str, ...], state_dir: Path) -> None:
+    """Plan the waves and run them: copy, verify, move the tags, pass the gates, next wave.
+
+    The image must verify in staging (signed, with the attestations the release's trust config
+    requires) or nothing starts. Prints the rollout ID first; progress goes to stderr.
+    """
+    from .. import rollout
+
+    if (image is None) == (variant_id is None):
+        raise InputError("--image/--variant", None, "", "give either --image REF@DIGEST or --variant ID --workdir W")
+    if variant_id is not None and workdir is None:
+        raise InputError("--variant", None, "", "needs --workdir (where build-report.json is)")
+    if image is not None and "@sha256:" not in image:
+        raise InputError("--image", None, "", f"'{image[:100]}' is not by digest (REF@sha256:...)")
+    config = _load(release_path)
+
+    def action() -> int:
+        source = image if image is not None else _variant_image(workdir or Path("."), variant_id or "")
+        return rollout.start(config, source, channels, state_dir, _out)
+
+    _finish(action)
+
+
+def _rollout_id(rollout_id: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,80}", rollout_id):
+        raise InputError("ID", None, "", f"'{rollout_id[:80]}' is not a rollout ID")
+    return rollout_id
+
+
+@rollout_group.command("resume")
+@click.argument("rollout_id", metavar="ID")
+@release_option
+@state_dir_option
+@reports_input_errors
+def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
+    """Finish a rollout from its recorded state (after a kill, a halt or an outage); no step runs twice."""
+    from .. import rollout
+
+    config = _load(release_path)
+    _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out))
+
+
+@rollout_group.command("abort")
+@click.argument("rollout_id", metavar="ID")
+@release_option
+@state_dir_option
+@reports_input_errors
+def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
+    """Stop a rollout before its next step (tags already moved stay; `rollback` puts them back)."""
+    from .. import rollout
+
+    config = _load(release_path)
+    _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out))
+
+
+@rollout_group.command("approve")
+@click.argument("rollout_id", metavar="ID")
+@click.option("--wave", required=True, help="The wave whose approval gate this passes.")
+@release_option
+@state_dir_option
+@reports_input_errors
+def approve_command(rollout_id: str, wave: str, release_path: Path, state_dir: Path) -> None:
+    """Pass a wave's manual approval gate (recorded in the audit trail with who approved)."""
+    from .. import rollout
+
+    config = _load(release_path)
+    _finish(lambda: rollout.approve(config, _rollout_id(rollout_id), wave, state_dir, _out))
+
+
+@rollout_group.command("rollback")
+@click.argument("rollout_id", metavar="ID")
+@release_option
+@state_dir_option
+@reports_input_errors
+def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
+    """Point every tag the rollout moved back at its recorded previous digest, last wave first.
+
+    A tag the rollout created is deleted. A tag someone moved again since is left alone (and
+    the audit trail says so). Resumable like the rollout itself.
+    """
+    from .. import rollout
+
+    config = _load(release_path)
+    _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out))
+
+
+@rollout_group.command("status")
+@click.argument("rollout_id", metavar="[ID]", required=False)
+@release_option
+@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("--watch", is_flag=True, help="Redraw every 2 seconds until the rollout stops running.")
+@reports_input_errors
+def status_command(rollout_id: str | None, release_path: Path, output_format: str, watch: bool) -> None:
+    """Per region and tag: the digest it points at now (read live), the previous one, the wave's state and gates."""
+    from .. import rollout
+
+    config = _load(release_path)
+
+    def current() -> dict[str, Any]:
+        wanted = _rollout_id(rollout_id) if rollout_id else rollout.latest_rollout(config, config.channels)
+        if wanted is None:
+            raise rollout.RolloutError("no rollout of this release's channels yet", 1)
+        return rollout.status(config, wanted)
+
+    def show() -> dict[str, Any]:
+        data = current()
+        if output_format == "json":
+            click.echo(json.dumps(data, indent=2, sort_keys=True))
+        else:
+            _print_status(data)
+        return data
+
+    def action() -> int:
+        data = show()
+        while watch and data["status"] in ("running", "rolling-back"):
+            time.sleep(2)
+            data = show()
+        return 0 if data["status"] in ("completed", "rolled-back", "running", "rolling-back") else 1
+
+    _finish(action)
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    from ..rollout import short
+
+    click.echo(f"rollout {data['id']}: {data['status']}" + (f" ({data['reason']})" if data.get("reason") else ""))
+    click.echo(f"  image {data['source']}  channels {', '.join(data['channels'])}  "
+               f"step {data['next_step']}/{data['steps']}")
+    click.echo(f"  {'WAVE':<12} {'REGION':<12} {'TAG':<24} {'CURRENT':<14} {'PREVIOUS':<14} STATE")
+    for row in data["tags"]:
+        previous = short(row["previous"]) if row["previous_recorded"] else "(not recorded)"
+        if row["previous_recorded"] and row["previous"] is None:
+            previous = "(none)"
+        current = "unreachable" if row["error"] else short(row["current"]) if row["current"] else "(none)"
+        marker = " *" if row["at_rollout_digest"] else ""
+        click.echo(f"  {row['wave']:<12} {row['region']:<12} {row['tag']:<24} {current:<14} {previous:<14} "
+                   f"{row['wave_state']}{marker}")
+    for wave, state in data["waves"].items():
+        for gate in state.get("gates") or []:
+            click.echo(f"  gate {wave}/{gate['gate']}@{gate['region']}: {gate['outcome']}: {gate['detail']}")
+    click.echo("  (* = at this rollout's digest)")

@@ -1,0 +1,568 @@
+"""`imagebuild rollout` end to end: the staging registry, the three regional registries, cosign
+signatures, a real Prometheus and health endpoint (rollout_harness), SIGKILLs, a registry outage
+and two rollouts racing for one channel.
+
+Every test works in repositories of its own (rollout-e2e/<uuid>/...), so tests never see each
+other's tags; images are small (`crane append` of one file) and signed with bootstrap's key.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from imagebuild.registry import Registry
+from imagebuild.trust import load_trust_config
+from imagebuild.verify import Verifier
+
+from ..conftest import REPO_ROOT
+from .rollout_harness import free_port, unique_metric
+
+STAGING = "127.0.0.1:5000"
+REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
+KEYS = Path("/var/lib/imagebuild/keys")
+TOOLS = Path("/opt/imagebuild-tools/bin")
+
+
+def tool(name: str) -> str:
+    path = TOOLS / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing; run scripts/bootstrap.sh", pytrace=False)
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registries_up():
+    for host in [STAGING, *REGIONS.values()]:
+        try:
+            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
+        except httpx.HTTPError as exc:
+            pytest.fail(f"registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    if not (KEYS / "cosign.key").exists():
+        pytest.fail(f"{KEYS}/cosign.key is missing; run scripts/bootstrap.sh", pytrace=False)
+
+
+def cosign_env() -> dict[str, str]:
+    return {**os.environ, "COSIGN_PASSWORD": (KEYS / "cosign.password").read_text().strip()}
+
+
+def make_image(tmp_path: Path, registry: str, repository: str, tag: str, *, sign: bool = True) -> str:
+    """A one-file image pushed with crane (unique content, so a unique digest), signed with cosign; its digest."""
+    layer_dir = tmp_path / f"layer-{uuid.uuid4().hex[:8]}"
+    layer_dir.mkdir()
+    (layer_dir / "hello.txt").write_text(f"rollout test {uuid.uuid4()}\n")
+    tar = layer_dir / "layer.tar"
+    with tarfile.open(tar, "w") as archive:
+        archive.add(layer_dir / "hello.txt", arcname="hello.txt")
+    ref = f"{registry}/{repository}:{tag}"
+    subprocess.run([tool("crane"), "append", "--insecure", "-f", str(tar), "-t", ref], check=True,
+                   capture_output=True, timeout=120)
+    digest = subprocess.run([tool("crane"), "digest", "--insecure", ref], check=True, capture_output=True,
+                            text=True, timeout=60).stdout.strip()
+    if sign:
+        subprocess.run([tool("cosign"), "sign", "--key", str(KEYS / "cosign.key"), "--tlog-upload=false",
+                        "--allow-http-registry", "--allow-insecure-registry", "--yes",
+                        f"{registry}/{repository}@{digest}"], check=True, capture_output=True, env=cosign_env(),
+                       timeout=120)
+    return digest
+
+
+@dataclass
+class Setup:
+    """One test's release: its repositories, files, and ways to run the CLI and look at the registries."""
+
+    tmp_path: Path
+    name: str = field(default_factory=lambda: f"rollout-e2e/{uuid.uuid4().hex[:10]}")
+    regions: dict[str, str] = field(default_factory=lambda: dict(REGIONS))
+
+    @property
+    def repository(self) -> str:
+        return f"{self.name}/paddle"
+
+    @property
+    def release(self) -> Path:
+        return self.tmp_path / "release.yaml"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.tmp_path / "state"
+
+    def write(self, waves: str, channels: str = '[stable, "2.6-gpu"]', lease_ttl: str = "1m",
+              attestations: str = "[]") -> None:
+        (self.tmp_path / "trust.yaml").write_text(textwrap.dedent(f"""\
+            schema: 1
+            mode: enforce
+            keys: [{{name: imagebuild-local, path: {KEYS / 'cosign.pub'}}}]
+            images: ["127.0.0.1:*/**"]
+            require: {{attestations: {attestations}, smoke_passed: {str(attestations != '[]').lower()},
+                      gate_passed: {str(attestations != '[]').lower()}, block_severity: null}}
+            failure_policy: fail
+            cache_ttl_seconds: 0
+            webhook: {{namespace: imagebuild-system, name: imagebuild-admission, image: "{STAGING}/a/b:c", port: 8443}}
+            """))
+        regions = "\n".join(f"  - {{name: {name}, registry: '{host}', repository: {self.repository}}}"
+                            for name, host in self.regions.items())
+        self.release.write_text(f"schema: 1\ntrust: trust.yaml\n"
+                                f"state: {{registry: '{STAGING}', repository: {self.name}/rollouts}}\n"
+                                f"lease_ttl: {lease_ttl}\nregions:\n{regions}\nchannels: {channels}\n"
+                                f"waves:\n{textwrap.indent(textwrap.dedent(waves), '  ')}")
+
+    def source(self, tag: str = "candidate", *, sign: bool = True) -> str:
+        digest = make_image(self.tmp_path, STAGING, self.repository, tag, sign=sign)
+        return f"{STAGING}/{self.repository}@{digest}"
+
+    def seed(self, tag: str) -> dict[str, str]:
+        """A signed image already serving `tag` in every region (what a rollout replaces); region -> digest."""
+        return {region: make_image(self.tmp_path, host, self.repository, tag) for region, host in self.regions.items()}
+
+    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "imagebuild", "rollout", *args, "--release", str(self.release),
+                               *(["--state-dir", str(self.state_dir)] if args[0] != "status" else [])],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **FAST, **(env or {})})
+
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "imagebuild", "rollout", *args, "--release", str(self.release),
+                                 "--state-dir", str(self.state_dir)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **FAST, **(env or {})})
+
+    def start(self, image: str, *channels: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return self.cli("start", "--image", image, *[arg for c in channels or ("stable",) for arg in ("--channel", c)],
+                        env=env)
+
+    def tag(self, region: str, tag: str) -> str | None:
+        with Registry(self.regions[region]) as registry:
+            return registry.head_manifest(self.repository, tag)
+
+    def has(self, region: str, digest: str) -> bool:
+        with Registry(self.regions[region]) as registry:
+            return registry.head_manifest(self.repository, digest) is not None
+
+    def status(self, rollout_id: str) -> dict:
+        run = self.cli("status", rollout_id, "--format", "json")
+        assert run.returncode in (0, 1), run.stderr
+        return json.loads(run.stdout)
+
+    def record(self, rollout_id: str) -> dict:
+        from imagebuild.release import load_release
+        from imagebuild.rollout import load_record, open_store
+
+        return load_record(open_store(load_release(self.release)), rollout_id)
+
+    def audit(self) -> list[dict]:
+        return [json.loads(line) for line in (self.state_dir / "audit.jsonl").read_text().splitlines()]
+
+    def serving_unsigned(self, tags: tuple[str, ...] = ("stable",)) -> list[str]:
+        """Every region/tag that exists but does not verify (unsigned, or its digest missing) in its registry."""
+        bad = []
+        with Verifier(load_trust_config(self.tmp_path / "trust.yaml"), cache_ttl_seconds=0) as verifier:
+            for region, host in self.regions.items():
+                for tag in tags:
+                    if self.tag(region, tag) is None:
+                        continue
+                    verdict = verifier.verify(f"{host}/{self.repository}:{tag}")
+                    if not verdict.allowed:
+                        bad.append(f"{region}/{tag}: {verdict.reason}")
+        return bad
+
+
+# Short waits so the tests stay quick: the lease's settle delay and the backoff before a region's retries.
+FAST = {"IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S": "0.5", "IMAGEBUILD_ROLLOUT_RETRY_BASE_S": "0.2"}
+
+
+def rollout_id_of(run: subprocess.CompletedProcess) -> str:
+    for line in run.stderr.splitlines():
+        if line.startswith("rollout ") and ": " in line:
+            return line.split()[1].rstrip(":")
+    raise AssertionError(f"no rollout ID in:\n{run.stderr}")
+
+
+CANARY_THEN_REST = """\
+- name: canary
+  regions: [eu-west]
+  gates: {soak: 1s, signature: true}
+- name: rest
+  regions: [us-east, ap-south]
+  gates: {soak: 0s, signature: true}
+"""
+
+
+# --- the whole rollout ----------------------------------------------------------------------------------
+
+
+def test_a_rollout_goes_canary_first_passes_its_gates_then_reaches_the_rest(tmp_path, rollout_services):
+    setup = Setup(tmp_path)
+    metric = unique_metric()
+    services = rollout_services
+    services.exporter.set(metric, 0.01, region="eu-west")
+    services.prometheus.wait_for_value(f'{metric}{{region="eu-west"}}', 0.01)
+    services.health.set("eu-west", 200)
+    setup.write(f"""\
+        - name: canary
+          regions: [eu-west]
+          gates:
+            soak: 2s
+            signature: true
+            prometheus: {{url: "{services.prometheus.url}", query: '{metric}{{region="{{region}}"}}', max: 0.05}}
+            http: {{url: "{services.health.url}", expect_status: 200, timeout: 5s}}
+        - name: rest
+          regions: [us-east, ap-south]
+          gates: {{soak: 1s, signature: true}}
+        """)
+    before = setup.seed("stable")
+    image = setup.source()
+    digest = image.split("@")[1]
+
+    run = setup.start(image, "stable", "2.6-gpu")
+    assert run.returncode == 0, run.stderr
+    rollout_id = rollout_id_of(run)
+    assert "soak" in run.stderr  # progress shown while the canary soaked
+
+    for region in REGIONS:
+        assert setup.tag(region, "stable") == digest and setup.tag(region, "2.6-gpu") == digest
+    assert setup.serving_unsigned(("stable", "2.6-gpu")) == []
+
+    # The canary's tags moved and its gates (the real Prometheus query included) passed before the rest got a byte.
+    events = setup.record(rollout_id)["events"]
+    order = [(e["what"], e.get("region") or e.get("wave")) for e in events]
+    canary_gates = order.index(("gates", "canary"))
+    assert max(i for i, e in enumerate(order) if e == ("move-tag", "eu-west")) < canary_gates
+    assert min(i for i, (what, where) in enumerate(order) if where in ("us-east", "ap-south")) > canary_gates
+    gates = next(e for e in events if e["what"] == "gates" and e["wave"] == "canary")["gates"]
+    assert {g["gate"] for g in gates} == {"soak", "signature", "prometheus", "http"}
+    assert all(g["outcome"] == "passed" for g in gates)
+    assert order[-1] == ("completed", None)
+
+    # status: per region and tag the live digest and the previous one (none for the new 2.6-gpu tag)
+    status = setup.status(rollout_id)
+    assert status["status"] == "completed"
+    rows = {(r["region"], r["tag"]): r for r in status["tags"]}
+    assert {key: (r["current"], r["previous"]) for key, r in rows.items()} == {
+        **{(region, "stable"): (digest, before[region]) for region in REGIONS},
+        **{(region, "2.6-gpu"): (digest, None) for region in REGIONS}}
+    table = setup.cli("status", rollout_id)
+    assert table.returncode == 0 and f"rollout {rollout_id}: completed" in table.stdout
+
+    # The audit trail: who, what, from which digest to which; locally and in the state registry alike.
+    moves = [e for e in setup.audit() if e["what"] == "move-tag"]
+    assert {(e["region"], e["tag"], e["from"] if "from" in e else None, e["to"]) for e in moves} == {
+        *((region, "stable", before[region], digest) for region in REGIONS),
+        *((region, "2.6-gpu", None, digest) for region in REGIONS)}
+    assert all(e["who"]["user"] and e["at"] for e in moves)
+    text = (setup.state_dir / "audit.jsonl").read_text()
+    assert cosign_env()["COSIGN_PASSWORD"] not in text
+
+
+def test_an_image_that_does_not_verify_in_staging_is_refused_before_anything_moves(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST)
+    image = setup.source(sign=False)
+    run = setup.start(image)
+    assert run.returncode == 1 and "does not verify in staging" in run.stderr, run.stderr
+    with Registry(STAGING) as registry:
+        assert registry.list_tags(f"{setup.name}/rollouts") == set()
+    assert all(not setup.has(region, image.split("@")[1]) for region in REGIONS)
+
+
+# --- halts and rollback ---------------------------------------------------------------------------------
+
+
+def test_a_failing_gate_halts_leaves_later_regions_untouched_and_rollback_restores(tmp_path, rollout_services):
+    setup = Setup(tmp_path)
+    metric = unique_metric()
+    rollout_services.exporter.set(metric, 0.5, region="eu-west")  # the canary's error ratio is over the threshold
+    rollout_services.prometheus.wait_for_value(f'{metric}{{region="eu-west"}}', 0.5)
+    setup.write(f"""\
+        - name: canary
+          regions: [eu-west]
+          gates:
+            signature: true
+            prometheus: {{url: "{rollout_services.prometheus.url}", query: '{metric}{{region="{{region}}"}}', max: 0.05}}
+        - name: rest
+          regions: [us-east, ap-south]
+          gates: {{signature: true}}
+        """)
+    before = setup.seed("stable")
+    image = setup.source()
+    digest = image.split("@")[1]
+
+    run = setup.start(image)
+    assert run.returncode == 1, run.stderr
+    assert "gate prometheus failed in region eu-west" in run.stderr
+    rollout_id = rollout_id_of(run)
+    assert setup.tag("eu-west", "stable") == digest
+    for region in ("us-east", "ap-south"):  # untouched: not even copied
+        assert setup.tag(region, "stable") == before[region]
+        assert not setup.has(region, digest)
+    assert setup.status(rollout_id)["status"] == "halted"
+
+    back = setup.cli("rollback", rollout_id)
+    assert back.returncode == 0, back.stderr
+    for region in REGIONS:
+        assert setup.tag(region, "stable") == before[region]
+    record = setup.record(rollout_id)
+    assert record["status"] == "rolled-back"
+    assert [(e["region"], e["from"], e["to"]) for e in record["events"] if e["what"] == "restore-tag"] == [
+        ("eu-west", digest, before["eu-west"])]
+    assert setup.cli("rollback", rollout_id).returncode == 0  # again: nothing left to do
+    assert setup.tag("eu-west", "stable") == before["eu-west"]
+
+
+def test_a_signature_missing_in_one_region_halts_before_that_region_tags_move(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST)
+    before = setup.seed("stable")
+    image = setup.source()
+    digest = image.split("@")[1]
+    # Stop right after us-east's copy is recorded (step 5: canary is 0-4), then take the signature away there.
+    run = setup.start(image, env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "5"})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    rollout_id = rollout_id_of(run)
+    with Registry(REGIONS["us-east"]) as registry:
+        signature = registry.head_manifest(setup.repository, "sha256-" + digest.split(":")[1] + ".sig")
+        assert signature and registry.delete_manifest(setup.repository, signature)
+
+    resumed = setup.cli("resume", rollout_id)
+    assert resumed.returncode == 1, resumed.stderr
+    assert "region us-east" in resumed.stderr and "does not verify" in resumed.stderr
+    assert setup.tag("eu-west", "stable") == digest
+    assert setup.tag("us-east", "stable") == before["us-east"]
+    assert setup.tag("ap-south", "stable") == before["ap-south"]
+    assert setup.serving_unsigned() == []
+
+    assert setup.cli("rollback", rollout_id).returncode == 0
+    assert {region: setup.tag(region, "stable") for region in REGIONS} == before
+
+
+def test_abort_stops_before_the_next_step_and_resume_refuses(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write("""\
+        - name: canary
+          regions: [eu-west]
+          gates: {signature: true, approval: true}
+        - name: rest
+          regions: [us-east, ap-south]
+        """)
+    image = setup.source()
+    process = setup.popen("start", "--image", image, "--channel", "stable")
+    rollout_id = None
+    deadline = time.time() + 120
+    while rollout_id is None and time.time() < deadline:
+        for path in setup.state_dir.glob("*.json") if setup.state_dir.exists() else []:
+            rollout_id = path.stem
+        time.sleep(0.2)
+    assert rollout_id, "the rollout never recorded itself"
+    while setup.record(rollout_id)["waves"]["canary"]["state"] != "gating" and time.time() < deadline:
+        time.sleep(0.5)
+    assert setup.cli("abort", rollout_id).returncode == 0
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 1 and "aborted" in err, err
+    assert setup.record(rollout_id)["status"] == "aborted"
+    assert setup.tag("us-east", "stable") is None
+    refused = setup.cli("resume", rollout_id)
+    assert refused.returncode == 1 and "only `rollback` applies" in refused.stderr
+
+
+def test_approval_gate_waits_for_approve(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write("""\
+        - name: canary
+          regions: [eu-west]
+          gates: {approval: true}
+        - name: rest
+          regions: [us-east, ap-south]
+        """)
+    image = setup.source()
+    digest = image.split("@")[1]
+    process = setup.popen("start", "--image", image, "--channel", "stable")
+    deadline = time.time() + 120
+    while setup.tag("eu-west", "stable") != digest and time.time() < deadline:
+        time.sleep(0.3)
+    time.sleep(2)
+    assert setup.tag("us-east", "stable") is None  # held at the canary's approval
+    rollout_id = next(setup.state_dir.glob("2*.json")).stem
+    waiting = setup.status(rollout_id)  # progress, from the record in the registry
+    assert waiting["status"] == "running" and waiting["waves"]["canary"]["state"] == "gating"
+    assert [(g["gate"], g["outcome"]) for g in waiting["waves"]["canary"]["gates"]] == [("approval", "waiting")]
+    assert "gate canary/approval" in setup.cli("status", rollout_id).stdout
+    assert setup.cli("approve", rollout_id, "--wave", "canary").returncode == 0
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert setup.tag("us-east", "stable") == digest
+    assert any(e["what"] == "approved" for e in setup.record(rollout_id)["events"])
+
+
+# --- crashes --------------------------------------------------------------------------------------------
+
+
+def test_sigkill_at_every_step_then_resume_completes_and_no_region_ever_serves_an_unsigned_digest(tmp_path):
+    """28 runs: killed after each of the 14 steps' effects, once before the step is recorded and once after;
+    plus random-time kills. After each kill and each resume, every region's tag verifies (or is absent), and
+    the resumed rollout completes with every step done once and every tag moved once."""
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, lease_ttl="10s")  # a kill before the record exists leaves a lease: short
+    steps = 14  # canary: copy, verify, record, move, gates; rest: 2 copies, 2 verifies, 2 records, 2 moves, gates
+    kills = [("IMAGEBUILD_ROLLOUT_KILL_MIDSTEP", n) for n in range(steps)]
+    kills += [("IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP", n) for n in range(steps)]
+    random.Random(12).shuffle(kills)
+    kills += [("random", 0)] * 4
+    for hook, step in kills:
+        image = setup.source(f"candidate-{uuid.uuid4().hex[:6]}")
+        digest = image.split("@")[1]
+        if hook == "random":
+            process = setup.popen("start", "--image", image, "--channel", "stable")
+            time.sleep(random.uniform(0.8, 4.0))
+            process.send_signal(signal.SIGKILL)
+            _, err = process.communicate(timeout=60)
+            started = [line.split()[1].rstrip(":") for line in err.splitlines() if line.startswith("rollout ")]
+            if not started:  # killed before it recorded itself: nothing to resume; its lease may be left
+                time.sleep(10.5)
+                continue
+            rollout_id = started[0]
+        else:
+            run = setup.start(image, env={hook: str(step)})
+            assert run.returncode == -signal.SIGKILL, (hook, step, run.stderr)
+            rollout_id = rollout_id_of(run)
+        assert setup.serving_unsigned() == [], (hook, step)
+
+        resumed = setup.cli("resume", rollout_id)
+        assert resumed.returncode == 0, (hook, step, resumed.stderr)
+        assert setup.serving_unsigned() == [], (hook, step)
+        assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, digest)
+        record = setup.record(rollout_id)
+        assert record["status"] == "completed" and record["next_step"] == steps
+        assert all(s["state"] == "done" for s in record["steps"])
+        moves = [(e["region"], e["tag"]) for e in record["events"] if e["what"] == "move-tag"]
+        assert sorted(moves) == sorted((region, "stable") for region in REGIONS), (hook, step, moves)
+
+
+# --- a region down --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def throwaway_registry(tmp_path):
+    """A Distribution registry of this test's own on a free port, to stop and start (never the shared ones)."""
+    port = free_port()
+    storage = tmp_path / "registry-storage"
+    config = tmp_path / "registry.yml"
+    config.write_text(textwrap.dedent(f"""\
+        version: 0.1
+        log: {{level: error, accesslog: {{disabled: true}}}}
+        storage: {{filesystem: {{rootdirectory: {storage}}}, delete: {{enabled: true}}}}
+        http: {{addr: 127.0.0.1:{port}}}
+        """))
+
+    class Throwaway:
+        host = f"127.0.0.1:{port}"
+        process: subprocess.Popen | None = None
+
+        def start(self) -> None:
+            self.process = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    if httpx.get(f"http://{self.host}/v2/", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            pytest.fail("the throwaway registry did not start", pytrace=False)
+
+        def stop(self) -> None:
+            if self.process is not None:
+                self.process.terminate()
+                self.process.wait(10)
+                self.process = None
+
+    registry = Throwaway()
+    yield registry
+    registry.stop()
+
+
+def test_a_region_registry_down_halts_naming_it_and_resume_completes_after_it_returns(tmp_path, throwaway_registry):
+    setup = Setup(tmp_path)
+    setup.regions["ap-south"] = throwaway_registry.host  # down from the start: never started yet
+    setup.write(CANARY_THEN_REST)
+    image = setup.source()
+    digest = image.split("@")[1]
+
+    run = setup.start(image)
+    assert run.returncode == 3, run.stderr
+    assert f"region ap-south ({throwaway_registry.host}) unreachable" in run.stderr
+    assert run.stderr.count("retrying") >= 3
+    rollout_id = rollout_id_of(run)
+    assert setup.tag("eu-west", "stable") == digest
+    assert setup.tag("us-east", "stable") is None  # the wave's tags wait until every region of it has the image
+    status = setup.status(rollout_id)
+    assert status["status"] == "halted" and "ap-south" in status["reason"]
+
+    throwaway_registry.start()
+    resumed = setup.cli("resume", rollout_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, digest)
+    assert setup.serving_unsigned() == []
+
+
+# --- two rollouts of one channel ------------------------------------------------------------------------
+
+
+def test_two_concurrent_starts_of_the_same_channel_exactly_one_proceeds(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST)
+    first, second = setup.source("one"), setup.source("two")
+    processes = [setup.popen("start", "--image", image, "--channel", "stable", env={
+        "IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S": "2"}) for image in (first, second)]
+    results = [(p.wait(300), p.stderr.read() if p.stderr else "") for p in processes]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 4], results
+    loser = next(err for code, err in results if code == 4)
+    assert "channel 'stable'" in loser and "rollout" in loser
+    winner = first if results[0][0] == 0 else second
+    assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, winner.split("@")[1])
+    # The lease is released at the end: the next rollout of the channel starts.
+    assert setup.start(second if winner == first else first).returncode == 0
+
+
+# --- the example image ---------------------------------------------------------------------------------
+
+
+def test_the_signed_example_rolls_out_with_its_attestations(tmp_path, signed_example):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, attestations="[sbom, vuln, smoke, gate]")
+    image = signed_example.images[0]  # repository@digest in staging, signed and attested by `imagebuild sign`
+    run = setup.start(image)
+    assert run.returncode == 0, run.stderr
+    digest = image.split("@")[1]
+    assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, digest)
+    with Verifier(load_trust_config(tmp_path / "trust.yaml"), cache_ttl_seconds=0) as verifier:
+        for host in REGIONS.values():
+            verdict = verifier.verify(f"{host}/{setup.repository}:stable")
+            assert verdict.allowed, verdict.reason  # signature and all four attestations copied into each region
+
+
+def test_a_crashed_rollouts_lease_blocks_another_rollout_until_it_expires(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, lease_ttl="8s")
+    crashed = setup.start(setup.source("one"), env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "0"})
+    assert crashed.returncode == -signal.SIGKILL
+    killed_at = time.time()
+    other = setup.source("two")
+    refused = setup.start(other)
+    assert refused.returncode == 4, refused.stderr
+    assert f"rollout {rollout_id_of(crashed)}" in refused.stderr and "holds it for another" in refused.stderr
+    time.sleep(max(0.0, killed_at + 8.5 - time.time()))
+    proceeded = setup.start(other)
+    assert proceeded.returncode == 0, proceeded.stderr
+    assert setup.tag("eu-west", "stable") == other.split("@")[1]
