@@ -7,6 +7,13 @@ Four predicates, each about one image digest, each attached with `cosign attest 
     vuln   vuln                          https://cosign.sigstore.dev/attestation/vuln/v1
     smoke  <the smoke URI>               https://imagebuild.dev/attestations/smoke/v1
     gate   <the gate URI>                https://imagebuild.dev/attestations/gate/v1
+    provenance <the SLSA URI>            https://slsa.dev/provenance/v1 (provenance.py builds it)
+    release    <the release URI>         https://imagebuild.dev/attestations/release/v1 (provenance.py)
+
+The provenance is attested with its URI as `--type`, not cosign's word `slsaprovenance1`: for
+that word cosign re-encodes the predicate through in-toto-golang's struct, which writes
+`runDetails.metadata.invocationID` where SLSA v1 says `invocationId`; a URI keeps our bytes.
+`cosign verify-attestation --type slsaprovenance1` matches it all the same (same predicateType).
 
 Every predicate names the digest it is about, besides the in-toto subject cosign writes: the
 vuln predicate in `invocation.parameters` (cosign keeps only the fields of its vuln shape, so a
@@ -27,6 +34,8 @@ PREDICATE_SBOM = "https://cyclonedx.org/bom"
 PREDICATE_VULN = "https://cosign.sigstore.dev/attestation/vuln/v1"
 PREDICATE_SMOKE = "https://imagebuild.dev/attestations/smoke/v1"
 PREDICATE_GATE = "https://imagebuild.dev/attestations/gate/v1"
+PREDICATE_PROVENANCE = "https://slsa.dev/provenance/v1"
+PREDICATE_RELEASE = "https://imagebuild.dev/attestations/release/v1"
 
 TRIVY_URI = "https://github.com/aquasecurity/trivy"
 INVOCATION_URI = "https://imagebuild.dev/commands/scan"  # what produced the scan the vuln predicate carries
@@ -52,7 +61,9 @@ SBOM = AttestationKind("sbom", "cyclonedx", PREDICATE_SBOM)
 VULN = AttestationKind("vuln", "vuln", PREDICATE_VULN)
 SMOKE = AttestationKind("smoke", PREDICATE_SMOKE, PREDICATE_SMOKE)
 GATE = AttestationKind("gate", PREDICATE_GATE, PREDICATE_GATE)
-KINDS: tuple[AttestationKind, ...] = (SBOM, VULN, SMOKE, GATE)
+PROVENANCE = AttestationKind("provenance", PREDICATE_PROVENANCE, PREDICATE_PROVENANCE)
+RELEASE = AttestationKind("release", PREDICATE_RELEASE, PREDICATE_RELEASE)
+KINDS: tuple[AttestationKind, ...] = (SBOM, VULN, SMOKE, GATE, PROVENANCE, RELEASE)
 PREDICATE_TYPES: dict[str, str] = {kind.name: kind.predicate_type for kind in KINDS}
 
 

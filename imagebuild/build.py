@@ -352,6 +352,7 @@ class Builder:
         failed = any(v.status == VariantStatus.FAILED for v in self.report.variants)
         self.report.status = (ReportStatus.FAILED if failed else
                               ReportStatus.PLANNED if self.options.dry_run else ReportStatus.OK)
+        self.report.finished = _now()
         self._write()
         return self.report
 

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from .attest import KINDS, PREDICATE_TYPES
+from .provenance import BUILD_TYPE
 from .trust import SEVERITIES, TRUST_SCHEMA, FailurePolicy, Mode, PublicKey, TrustConfig
 
 ATTESTATION_ORDER = tuple(kind.name for kind in KINDS)
@@ -224,8 +225,20 @@ def cluster_image_policy(config: TrustConfig) -> dict[str, Any]:
             "metadata": {"name": POLICY_NAME, "labels": _labels()}, "spec": spec}
 
 
+# A required provenance is imagebuild's build: its SLSA buildType, in every policy.
+_REGO_PROVENANCE_POLICY = (
+    "package sigstore\n"
+    "default isCompliant = false\n"
+    "isCompliant {\n"
+    f"  input.predicate.buildDefinition.buildType == \"{BUILD_TYPE}\"\n"
+    "}\n"
+)
+
+
 def _cip_attestation(config: TrustConfig, name: str) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": name, "predicateType": PREDICATE_TYPES[name]}
+    if name == "provenance":
+        entry["policy"] = {"type": "rego", "data": _REGO_PROVENANCE_POLICY}
     if name == "smoke" and config.require.smoke_passed:
         entry["policy"] = {"type": "rego", "data": _rego_predicate_policy("status", "passed")}
     if name == "gate" and gate_decision_required(config):
@@ -246,6 +259,9 @@ def _kyverno_attestors(config: TrustConfig) -> list[dict[str, Any]]:
 
 
 def _kyverno_conditions(config: TrustConfig, name: str) -> list[dict[str, Any]]:
+    if name == "provenance":
+        return [{"all": [{"key": "{{ buildDefinition.buildType }}", "operator": "Equals", "value": BUILD_TYPE,
+                          "message": "the provenance is not of an imagebuild build"}]}]
     if name == "smoke" and config.require.smoke_passed:
         return [{"all": [{"key": "{{ status }}", "operator": "Equals", "value": "passed",
                           "message": "the smoke tests did not pass on this digest"}]}]
@@ -320,6 +336,12 @@ def kyverno_image_validating_policy(config: TrustConfig) -> dict[str, Any]:
             "expression": (f"variables.refs.all(image, verifyAttestationSignatures(image, "
                            f"attestations.{name}, {attestor_list}) > 0)"),
             "message": f"an image has no {name} attestation signed by an imagebuild key",
+        })
+    if "provenance" in wanted:
+        validations.append({
+            "expression": ("variables.refs.all(image, extractPayload(image, attestations.provenance)"
+                           f".buildDefinition.buildType == '{BUILD_TYPE}')"),
+            "message": "an image's provenance is not of an imagebuild build",
         })
     if config.require.smoke_passed:
         validations.append({

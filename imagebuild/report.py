@@ -385,6 +385,8 @@ class BuildReport(_StatusField):
     status: ReportStatus = ReportStatus.PENDING
     schema: str = REPORT_SCHEMA
     run_id: str = field(default_factory=new_run_id)  # one build run: its writes merge, a new run replaces
+    finished: str | None = None  # when the build's final write happened (provenance's runDetails.metadata)
+    matrix_sha256: str | None = None  # "sha256:..." of the matrix file as the build read it
 
     def layer(self, key: str) -> LayerRecord:
         return next(rec for rec in self.layers if rec.key == key)

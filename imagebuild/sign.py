@@ -11,9 +11,12 @@ For each selected variant of the build report:
 4. `cosign sign` the image by digest, then check in the registry that the signature tag
    (`<repo>:sha256-<hex>.sig`, cosign v2's layout; Distribution 2.8 has no Referrers API)
    holds a signature whose payload names this digest.
-5. `cosign attest --replace --type T --predicate FILE` by digest for each predicate, then check
-   that the `.att` tag holds every predicate type.
-6. Record `stages.sign` (report.SignStage).
+5. Build the release record (provenance.py): SLSA v1 provenance from the report and the image's
+   labels (read from the registry), and the release predicate from the other four and the
+   signature layout; written beside them.
+6. `cosign attest --replace --type T --predicate FILE` by digest for each of the six predicates,
+   then check that the `.att` tag holds every predicate type.
+7. Record `stages.sign` (report.SignStage).
 
 Secrets: the key's password reaches cosign only through the environment (COSIGN_PASSWORD),
 never its command line; every cosign output goes through tools.Runner with that value (and
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import attest
+from . import attest, provenance
 from .gate import release_refusal
 from .registry import ImageRef, Registry, RegistryError, base_url
 from .report import BuildReport, GateStage, ScanStage, SignStage, SmokeStage, StageStatus, VariantRecord, record_stage
@@ -334,7 +337,54 @@ def _write_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 PREDICATE_FILES = {attest.SBOM.name: "sbom.cdx.json", attest.VULN.name: "vuln.json",
-                   attest.SMOKE.name: "smoke.json", attest.GATE.name: "gate.json"}
+                   attest.SMOKE.name: "smoke.json", attest.GATE.name: "gate.json",
+                   attest.PROVENANCE.name: "provenance.json", attest.RELEASE.name: "release.json"}
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def image_labels(client: Registry, image: str) -> dict[str, str]:
+    """The image config's labels (the release layer's: base image, revision, source); {} when it has none.
+
+    An index (several platforms) is read through its first manifest: every platform is built
+    from the same chain, so their labels agree.
+    """
+    ref = ImageRef.parse(image)
+    raw, _, _ = client.get_manifest(ref.repository, ref.reference)
+    manifest = json.loads(raw)
+    if not manifest.get("config") and manifest.get("manifests"):
+        raw, _, _ = client.get_manifest(ref.repository, manifest["manifests"][0]["digest"])
+        manifest = json.loads(raw)
+    config_digest = (manifest.get("config") or {}).get("digest")
+    if not config_digest:
+        raise SignError(f"{image}: its manifest names no image config")
+    config = json.loads(client.get_blob_limited(ref.repository, config_digest, MAX_CONFIG_BYTES))
+    labels = ((config.get("config") or {}).get("Labels")) or {}
+    return {str(k): str(v) for k, v in labels.items()}
+
+
+def signature_layout(image: str, digest: str, options: SignOptions, cosign_version: str) -> provenance.SignatureLayout:
+    return provenance.SignatureLayout(layout=LAYOUT_TAG, signature=tag_ref(image, digest, "sig"),
+                                      attestations=tag_ref(image, digest, "att"), key=options.key_reference,
+                                      keyless=options.keyless is not None, tlog=options.uploads_to_tlog,
+                                      cosign_version=cosign_version)
+
+
+def release_record(report: BuildReport, variant: VariantRecord, predicates: dict[str, dict[str, Any]],
+                   labels: dict[str, str], layout: provenance.SignatureLayout,
+                   env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The provenance and release predicates of a variant, from the report, the image's labels and the
+    four predicates already built (SignError when the report cannot support them)."""
+    from .gate_run import tool_version
+
+    builder = provenance.builder_from_environment(dict(os.environ) if env is None else env, tool_version())
+    try:
+        statement = provenance.provenance_statement(report, variant, labels=labels, builder=builder)
+        release = provenance.release_predicate(
+            variant, provenance=statement["predicate"], smoke=predicates[attest.SMOKE.name],
+            vuln=predicates[attest.VULN.name], gate=predicates[attest.GATE.name], signature=layout)
+    except attest.PredicateError as exc:
+        raise SignError(f"{variant.id}: {exc}") from None
+    return {attest.PROVENANCE.name: statement["predicate"], attest.RELEASE.name: release}
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -481,6 +531,13 @@ class SignRun:
     def _sign(self, variant: VariantRecord, client: Registry, predicates: dict[str, dict[str, Any]]) -> SignStage:
         image, digest = variant.image or "", variant.digest or ""
         folder = self.workdir / "sign" / variant.id
+        try:
+            labels = image_labels(client, image)
+        except (ValueError, AttributeError, TypeError, KeyError, IndexError):
+            raise SignError(f"{image}: its manifest or config is not JSON an image has") from None
+        layout = signature_layout(image, digest, self.options, self.cosign.version)
+        predicates = {**predicates, **release_record(BuildReport.read(self.report_path), variant, predicates,
+                                                     labels, layout)}
         paths = {}
         for name, predicate in predicates.items():
             path = folder / PREDICATE_FILES[name]

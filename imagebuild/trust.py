@@ -25,7 +25,9 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from .source import Document, InputError, PathKey, Reader, known_list, load_document, suggest
 
 TRUST_SCHEMA = 1
-ATTESTATION_KINDS = ("sbom", "vuln", "smoke", "gate")
+# provenance: SLSA v1 provenance whose buildType is imagebuild's; release: imagebuild's release record
+# (`require: {attestations: [provenance]}` is how a trust file requires provenance).
+ATTESTATION_KINDS = ("sbom", "vuln", "smoke", "gate", "provenance", "release")
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 _MAX_KEY_BYTES = 16 * 1024
 # A repository glob: registry host[:port] then path segments; `*` and `**` are the only wildcards.

@@ -35,8 +35,16 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from .attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from .attest import (
+    PREDICATE_GATE,
+    PREDICATE_PROVENANCE,
+    PREDICATE_RELEASE,
+    PREDICATE_SBOM,
+    PREDICATE_SMOKE,
+    PREDICATE_VULN,
+)
 from .oci_retry import QUICK_RETRIES
+from .provenance import provenance_problems, release_problems
 from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
 from .source import InputError
 from .trust import PublicKey, Requirements, TrustConfig
@@ -48,7 +56,8 @@ IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
 IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/Statement/v1")
 
 # The predicate types `imagebuild sign` attests, by the names the trust config's require.attestations uses.
-ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE}
+ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE,
+                     "provenance": PREDICATE_PROVENANCE, "release": PREDICATE_RELEASE}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 
 # What a registry may make us read: everything it serves is untrusted. SBOMs of the CUDA images
@@ -236,7 +245,7 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
     message = pae(payload_type, payload)
     key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
     if key is None:
-        raise Refused("an attestation is not signed by any configured key")
+        raise Refused("an attestation is not signed by any configured key" + _claimed_kind(payload))
     if payload_type != IN_TOTO_PAYLOAD_TYPE:
         raise Refused(f"an attestation has payloadType '{payload_type}', not in-toto")
     try:
@@ -256,6 +265,15 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         named = ", ".join(f"{a}:{h}" for s in subjects for a, h in s.items()) or "nothing"
         raise Refused(f"the {kind_name(predicate_type)} attestation is about {named}, not {digest}", key.name)
     return Attestation(predicate_type, predicate, key.name)
+
+
+def _claimed_kind(payload: bytes) -> str:
+    """What an unverified statement says it is, for the message only (nothing else is read from it)."""
+    try:
+        claimed = json.loads(payload).get("predicateType")
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+    return f" (it claims to be {kind_name(claimed)})" if isinstance(claimed, str) else ""
 
 
 def kind_name(predicate_type: str) -> str:
@@ -339,6 +357,14 @@ def requirement_failures(require: Requirements, attestations: Mapping[str, Attes
                             f"not {digest}")
         elif _predicate_field(attestation, field) != good:
             failures.append(f"the {name} attestation says {field} {_predicate_field(attestation, field)}")
+    # A required provenance must be imagebuild's build (its buildType), a required release record
+    # must be about this digest and point to the provenance beside it.
+    provenance = attestations.get(ATTESTATION_TYPES["provenance"])
+    if "provenance" in require.attestations and provenance is not None:
+        failures += provenance_problems(provenance.predicate)
+    release = attestations.get(ATTESTATION_TYPES["release"])
+    if "release" in require.attestations and release is not None:
+        failures += release_problems(release.predicate, provenance.predicate if provenance else None, digest)
     if require.block_severity:
         vuln = attestations.get(ATTESTATION_TYPES["vuln"])
         if vuln is None:
@@ -365,6 +391,19 @@ def needs_attestations(require: Requirements) -> bool:
 
 
 # --- the verifier (registry I/O, cache) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """An image's signature and every attestation that verified, for reading (`imagebuild inspect`)."""
+
+    image: str
+    digest: str | None
+    key: str | None  # the key the image's signature verified with; None when it did not
+    problem: str | None  # why the image itself is not verified (unsigned, not covered, unreachable)
+    attestations: dict[str, Attestation]  # verified (signed by a key, about this digest), by predicate type
+    rejected: tuple[str, ...] = ()  # attestations that did not verify, and why
+    unreachable: bool = False
 
 
 class Verifier:
@@ -429,6 +468,33 @@ class Verifier:
             reason = f"tag {ref.reference} not found" if not digest else f"registry gave digest '{digest[:80]}'"
             return ImageVerdict(image, None, False, f"{reason} in {repository}")
         return replace(self._verdict_for(registry, ref.repository, digest), image=image)
+
+    def inspect(self, image: str) -> Inspection:
+        """The image's verified signature and attestations (not cached, no requirements applied):
+        what a reader of the release record may believe, and what was rejected."""
+        try:
+            ref = parse_image(image)
+        except ValueError as exc:
+            return Inspection(image, None, None, f"not an image reference: {exc}", {})
+        repository = f"{ref.registry}/{ref.repository}"
+        if not self.config.covers(repository):
+            return Inspection(image, ref.digest, None, f"not covered by the policy: {repository} matches none "
+                                                       f"of its images ({', '.join(self.config.images)})", {})
+        registry = self._registry(ref.registry)
+        digest: str | None = ref.digest
+        try:
+            digest = digest or self._resolve(registry, ref)
+            if not digest or not _DIGEST.fullmatch(digest):
+                return Inspection(image, None, None, f"tag {ref.reference} not found in {repository}", {})
+            key = self._check_signature(registry, ref.repository, digest)
+            attestations, rejected = self._attestations(registry, ref.repository, digest)
+            return Inspection(image, digest, key.name, None, attestations, tuple(dict.fromkeys(rejected)))
+        except Refused as refused:
+            return Inspection(image, digest, None, refused.reason, {})
+        except RegistryUnreachable as exc:
+            return Inspection(image, digest, None, f"registry unreachable: {exc}", {}, unreachable=True)
+        except RegistryError as exc:
+            return Inspection(image, digest, None, f"registry: {exc}", {})
 
     @staticmethod
     def _resolve(registry: Registry, ref: ImageRef) -> str | None:

@@ -223,6 +223,38 @@ def test_block_severity_alone_requires_the_vuln_report_and_a_passed_gate(tmp_pat
     assert "['CRITICAL']" in ivp["validations"][-1]["expression"]
 
 
+@pytest.mark.parametrize("name", sorted(CRD_OF))
+def test_policies_requiring_provenance_validate_against_their_crds(tmp_path: Path, name: str) -> None:
+    files = generated(write_config(tmp_path, require="{attestations: [provenance, release], gate_passed: true}"))
+    jsonschema.validate(document(files, name), crd_schema(*CRD_OF[name]))
+
+
+def test_required_provenance_must_be_imagebuilds_build_in_every_policy(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{attestations: [provenance]}"))
+    cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    [attestation] = cip["authorities"][1]["attestations"]
+    assert attestation["predicateType"] == "https://slsa.dev/provenance/v1"
+    assert ('input.predicate.buildDefinition.buildType == "https://imagebuild.dev/build/v1"'
+            in attestation["policy"]["data"])
+
+    verify = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"][0]["verifyImages"][0]
+    [entry] = verify["attestations"]
+    assert entry["type"] == "https://slsa.dev/provenance/v1"
+    condition = entry["conditions"][0]["all"][0]
+    assert (condition["key"], condition["value"]) == ("{{ buildDefinition.buildType }}",
+                                                      "https://imagebuild.dev/build/v1")
+
+    ivp = document(files, policies.KYVERNO_IMAGE_VALIDATING_POLICY)["spec"]
+    assert [a["intoto"]["type"] for a in ivp["attestations"]] == ["https://slsa.dev/provenance/v1"]
+    assert any("attestations.provenance).buildDefinition.buildType == 'https://imagebuild.dev/build/v1'"
+               in v["expression"] for v in ivp["validations"])
+
+
+def test_without_a_provenance_requirement_no_policy_asks_for_it(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path))
+    assert all("slsa.dev/provenance" not in text for text in files.values())
+
+
 # --- the webhook's manifests -----------------------------------------------------------------
 
 

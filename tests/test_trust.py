@@ -75,6 +75,22 @@ def test_the_example_configuration_is_valid():
     assert set(config.require.attestations) == {"sbom", "vuln", "smoke", "gate"}
 
 
+def test_provenance_and_the_release_record_can_be_required(tmp_path, keys):
+    config = load_trust_config(write(tmp_path, """\
+        keys: [{name: old, path: old.pub}]
+        images: ["**"]
+        require: {attestations: [provenance, release], gate_passed: true}
+        """))
+    assert config.require.attestations == ("provenance", "release", "gate")
+
+
+def test_a_misspelt_provenance_requirement_is_refused_with_the_right_word(tmp_path, keys):
+    message = error_of(write(tmp_path, "keys:\n  - {name: a, path: old.pub}\nimages: ['**']\n"
+                                       "require: {attestations: [provenence]}\n"))
+    assert message.startswith(f"{tmp_path / 'trust.yaml'}:4:"), message
+    assert "unknown attestation 'provenence'" in message and "provenance" in message.split("provenence", 1)[1]
+
+
 def test_an_inline_key_is_accepted(tmp_path, keys):
     pem = textwrap.indent(keys["old"].read_text(), "      ")
     config = load_trust_config(write(tmp_path, f"keys:\n  - name: k\n    pem: |\n{pem}images: ['**']\n"))

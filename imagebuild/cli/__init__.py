@@ -14,6 +14,7 @@ import click
 from .admission_command import admission_group
 from .build_command import build
 from .harbor_command import harbor_group
+from .inspect_command import inspect_command
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
 from .push_command import promote_command, push_command
@@ -24,7 +25,8 @@ from .test_command import test_command
 from .verify_command import verify_command
 
 PIPELINE_ORDER = (
-    "validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "push", "promote", "rollout",
+    "validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "inspect", "push",
+    "promote", "rollout",
 )
 
 
@@ -60,6 +62,7 @@ for command in (validate, support, plan, render, build, test_command, scan, gate
                 policies_group):
     cli.add_command(command)
 cli.add_command(verify_command)
+cli.add_command(inspect_command)
 cli.add_command(admission_group)
 cli.add_command(harbor_group)
 cli.add_command(push_command)

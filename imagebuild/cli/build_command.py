@@ -1,6 +1,7 @@
 """imagebuild build: BuildKit builds in layer order, the build report."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -80,6 +81,7 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
     variants = selection.choose(the_plan.variants, str(matrix_path)) if selection or not layers else []
     report = building.registry_plan(the_plan, variants, layer_keys=layers)
     report.revision = rev
+    report.matrix_sha256 = "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest()  # for the provenance
     secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),

@@ -47,9 +47,10 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     """Sign each image of the build report by digest with cosign, and attach its attestations.
 
     Only an image whose smoke tests and gate passed on that very digest is signed; any other
-    is refused, saying why. Four attestations go with each signature: the CycloneDX SBOM, the
-    vulnerability report (cosign's vuln predicate), the smoke results and the gate decision
-    with the exceptions it applied. The signature is checked in the registry (the
+    is refused, saying why. Six attestations go with each signature: the CycloneDX SBOM, the
+    vulnerability report (cosign's vuln predicate), the smoke results, the gate decision
+    with the exceptions it applied, and the release record: SLSA v1 provenance of the build
+    and imagebuild's release predicate (see `imagebuild inspect`). The signature is checked in the registry (the
     `sha256-<hex>.sig` tag) and recorded in the build report (stages.sign); a rerun skips what
     is still signed. Exit 1 when any image was refused or failed.
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -22,12 +23,15 @@ DEFAULT_CONFIG = Path("policies/trust.yaml")
                    "repeat during a key rotation: any one key suffices.")
 @click.option("--no-attestations", is_flag=True,
               help="Check the signature only, not the attestations the config requires.")
+@click.option("--require-provenance", is_flag=True,
+              help="Also require a SLSA v1 provenance attestation of imagebuild's build type, signed by one of "
+                   "the keys and about the image's digest (as `require: {attestations: [provenance]}` does).")
 @click.option("--concurrency", type=click.IntRange(1, 64), default=8, show_default=True,
               help="Images verified at once.")
 @format_option("table", "json")
 @reports_input_errors
 def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tuple[Path, ...],
-                   no_attestations: bool, concurrency: int, output_format: str) -> None:
+                   no_attestations: bool, require_provenance: bool, concurrency: int, output_format: str) -> None:
     """Verify each IMAGE (a tag or a digest) as the admission webhook does, without running cosign.
 
     The tag is resolved to its digest; the digest's cosign signature (the sha256-<hex>.sig tag)
@@ -46,10 +50,13 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
       imagebuild verify IMAGE@sha256:...                       # with policies/trust.yaml
       imagebuild verify --key cosign.pub --key cosign-next.pub IMAGE   # during a key rotation
       imagebuild verify --no-attestations --format json IMAGE...
+      imagebuild verify --key cosign.pub --require-provenance IMAGE    # refuse an image without provenance
     """
     from .. import trust
     from ..verify import Verifier, parse_image
 
+    if require_provenance and no_attestations:
+        raise InputError("--require-provenance", None, "", "checks an attestation; drop --no-attestations")
     if keys and config_path is not None:
         raise InputError("--key", None, "", "replaces the config; give --key or --config, not both")
     for image in images:
@@ -64,6 +71,9 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
         if not path.is_file():
             raise InputError(str(path), None, "", "no such trust config (give --config FILE or --key PUB)")
         config = trust.load_trust_config(path)
+    if require_provenance and "provenance" not in config.require.attestations:
+        config = replace(config, require=replace(config.require,
+                                                 attestations=(*config.require.attestations, "provenance")))
 
     with Verifier(config, check_attestations=not no_attestations) as verifier:
         verdicts = verifier.verify_many(images, concurrency=concurrency)

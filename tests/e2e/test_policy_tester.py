@@ -338,3 +338,40 @@ def test_verify_applies_the_same_attestation_requirements_as_the_tester(policy_t
     verify = {name: verifier.verify(image).allowed for name, image in attested.items()}
     assert tester == EXPECTED_ATTESTED
     assert verify == tester
+
+
+# --- provenance ---------------------------------------------------------------------------------
+
+
+def provenance_predicate(build_type: str) -> dict:
+    """A SLSA v1 provenance in the shape `imagebuild sign` attaches (the fields the policies read)."""
+    from imagebuild.provenance import LOCAL_BUILDER
+
+    return {"buildDefinition": {"buildType": build_type, "externalParameters": {"variant": {"id": "tiny"}}},
+            "runDetails": {"builder": {"id": LOCAL_BUILDER}, "metadata": {"invocationId": "e2e"}}}
+
+
+def test_a_policy_requiring_provenance_admits_only_images_with_imagebuilds_provenance(
+        policy_tester: str, namespace: str, bootstrap_key: SigningKey, tmp_path: Path) -> None:
+    from imagebuild.provenance import BUILD_TYPE
+    from imagebuild.verify import Verifier
+
+    made = {name: push_tiny_image(tmp_path, f"{namespace}/provenance/{name}:t")
+            for name in ("with-provenance", "without", "foreign-build")}
+    for image in made.values():
+        sign(bootstrap_key, image)
+    attest(bootstrap_key, made["with-provenance"], "provenance", provenance_predicate(BUILD_TYPE), tmp_path)
+    attest(bootstrap_key, made["foreign-build"], "provenance",
+           provenance_predicate("https://example.com/another-builder/v1"), tmp_path)
+    config = trust_file(tmp_path, [bootstrap_key.pub], [f"{namespace}/provenance/**"],
+                        require="{attestations: [provenance]}")
+    policy = generate(config, tmp_path / "admission")
+
+    tester = {name: evaluate(policy_tester, policy, image) for name, image in made.items()}
+    assert {name: d.admitted for name, d in tester.items()} == {
+        "with-provenance": True, "without": False, "foreign-build": False}
+    assert "no matching attestations" in tester["without"].output  # the image has no .att at all
+    assert "rego policy for type provenance" in tester["foreign-build"].output
+    verifier = Verifier(load_trust_config(config))
+    assert {name: verifier.verify(image).allowed for name, image in made.items()} == \
+        {name: d.admitted for name, d in tester.items()}

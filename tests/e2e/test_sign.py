@@ -18,7 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild.attest import PREDICATE_GATE, PREDICATE_SBOM, PREDICATE_SMOKE, PREDICATE_VULN
+from imagebuild.attest import (
+    PREDICATE_GATE,
+    PREDICATE_PROVENANCE,
+    PREDICATE_RELEASE,
+    PREDICATE_SBOM,
+    PREDICATE_SMOKE,
+    PREDICATE_VULN,
+)
 from imagebuild.registry import ImageRef, Registry
 
 from .conftest import REPO, STAGING, imagebuild, sign_workdir, unique
@@ -120,8 +127,9 @@ def test_the_report_records_the_signature_layout_and_attestations(signed_example
         assert record["layout"] == "tag"
         assert record["signature"] == f"{repository}:sha256-{hex_digest}.sig"
         assert record["attestation_ref"] == f"{repository}:sha256-{hex_digest}.att"
-        assert [a["type"] for a in record["attestations"]] == ["sbom", "vuln", "smoke", "gate"]
-        assert {a["predicate_type"] for a in record["attestations"]} == set(ATTESTATION_TYPES.values())
+        assert [a["type"] for a in record["attestations"]] == ["sbom", "vuln", "smoke", "gate", "provenance", "release"]
+        assert {a["predicate_type"] for a in record["attestations"]} == {
+            *ATTESTATION_TYPES.values(), PREDICATE_PROVENANCE, PREDICATE_RELEASE}
         assert record["cosign_version"] == "v2.6.5" and record["signed_at"]
         assert record["tlog"] is False
 
