@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryError
+from .oci_locations import BlobLocations
+from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryAuthError, RegistryError
 
 MiB = 1024 * 1024
 READ_SIZE = MiB  # one read from the source, the most a streamed upload holds at once
 SMALL_BLOB = MiB  # configs, signatures, small layers: read whole (digest checked), one PUT
+MOUNT_HINTS = 2  # repositories tried for a mount, from where earlier copies put a blob
 # cosign's tag suffixes for a digest's signatures, attestations and attached SBOMs.
 COSIGN_SUFFIXES = ("sig", "att", "sbom")
 
@@ -39,6 +41,9 @@ class CopyOptions:
     signatures: bool = False  # also copy cosign's sha256-<hex>.sig/.att/.sbom tags and OCI referrers
     concurrency: int = 4  # blobs moved at once
     resume_attempts: int = 5  # per blob: continuing an interrupted upload from where the registry stands
+    # Where blobs were seen, for cross-repository mounts; None: the user's cache file
+    # (oci_locations.default_cache_dir()); BlobLocations() keeps them in memory only.
+    locations: BlobLocations | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -73,6 +78,19 @@ class CopyResult:
     digest: str
     media_type: str
     stats: CopyStats
+
+
+_default: BlobLocations | None = None
+_default_lock = threading.Lock()
+
+
+def _default_locations() -> BlobLocations:
+    """One cache per process, read once."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = BlobLocations.default()
+        return _default
 
 
 def cosign_tag(digest: str, suffix: str | None = None) -> str:
@@ -209,6 +227,8 @@ class _Copier:
         self.target, self.target_repository = target, target_repository
         self.options, self.stats = options, stats
         self.same_registry = source.url == target.url
+        self.locations = options.locations if options.locations is not None else _default_locations()
+        self._hints_refused = False
         self._tree: list[str] = []  # every manifest digest reached, for their signatures
 
     # --- manifests ------------------------------------------------------------------------
@@ -254,20 +274,49 @@ class _Copier:
             size = self.source.blob_size(self.source_repository, digest) or 0
         if self.target.blob_size(self.target_repository, digest) is not None:
             self.stats.add(blobs_present=1)
+            self._landed(digest)
             return
-        if self.same_registry:
-            mounted_or_session = self.target.try_mount(self.target_repository, digest, self.source_repository)
-            if mounted_or_session is None:
-                self.stats.add(blobs_mounted=1)
-                return
-            location = mounted_or_session
-        else:
-            location = self.target.start_upload(self.target_repository)
+        location = self._mount(digest)
+        if location is None:
+            self.stats.add(blobs_mounted=1)
+            self._landed(digest)
+            return
         if size <= SMALL_BLOB:
             self._upload_whole(location, digest)
         else:
             self._upload_chunked(location, digest, size)
         self.stats.add(blobs_uploaded=1)
+        self._landed(digest)
+
+    def _landed(self, digest: str) -> None:
+        self.locations.remember(self.target.registry, digest, self.target_repository)
+
+    def _mount(self, digest: str) -> str | None:
+        """Mount the blob from a repository of the target registry that holds it: the source
+        repository on the same registry, else where earlier copies put it. None when mounted,
+        else an upload session (the one the last refused mount opened, or a new one)."""
+        candidates = [self.source_repository] if self.same_registry else []
+        if not self._hints_refused:
+            candidates += [repository for repository in self.locations.hints(self.target.registry, digest)
+                           if repository not in (self.target_repository, *candidates)][:MOUNT_HINTS]
+        session: str | None = None
+        for repository in candidates:
+            if session is not None:  # the previous mount was refused and opened a session: drop it
+                self.target._request("DELETE", session, repository=self.target_repository,
+                                     operation="cancel upload")
+            try:
+                session = self.target.try_mount(self.target_repository, digest, repository)
+            except RegistryAuthError:
+                # No pull on the hinted repository (token registries refuse the whole request):
+                # upload instead, and stop guessing for the rest of this copy.
+                self._hints_refused = True
+                session = None
+                continue
+            if session is None:
+                return None
+            if repository != self.source_repository or not self.same_registry:
+                self.locations.forget(self.target.registry, digest, repository)
+        return session or self.target.start_upload(self.target_repository)
 
     def _fail(self, operation: str, message: str, status: int | None = None) -> RegistryError:
         return RegistryError(f"{self.target.registry}/{self.target_repository}: {operation}: {message}",
@@ -427,10 +476,13 @@ def copy_image(source: Registry, source_repository: str, reference: str, target:
                                 operation="HEAD manifest", status=404)
         digest = found
     copier = _Copier(source, source_repository, target, target_repository, options, stats)
-    raw, media_type = copier.manifest(digest)
-    if options.signatures:
-        copier.signatures()
-    for tag in tags:
-        target.put_manifest(target_repository, tag, raw, media_type)
-        stats.add(tags_put=1)
+    try:
+        raw, media_type = copier.manifest(digest)
+        if options.signatures:
+            copier.signatures()
+        for tag in tags:
+            target.put_manifest(target_repository, tag, raw, media_type)
+            stats.add(tags_put=1)
+    finally:
+        copier.locations.save()
     return CopyResult(digest, media_type, stats)

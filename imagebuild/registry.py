@@ -8,6 +8,7 @@ built image in another repository is a manifest copy, not a re-push.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -106,11 +107,12 @@ def base_url(registry: str, insecure: bool | None = None, ca_bundle: Path | None
     return f"{'http' if plain else 'https'}://{registry}"
 
 
-def _tls(ca_bundle: Path | None) -> ssl.SSLContext | bool:
-    if ca_bundle is None:
-        return True
+@functools.cache
+def _tls(ca_bundle: Path | None) -> ssl.SSLContext:
+    """One verifying context per CA bundle (None: the system's), built once: loading a CA store
+    costs tens of milliseconds, more than a whole request to a local registry."""
     try:
-        return ssl.create_default_context(cafile=str(ca_bundle))
+        return ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle else None)
     except (OSError, ssl.SSLError) as exc:
         raise RegistryError(f"CA bundle {ca_bundle}: not readable as PEM ({exc.__class__.__name__})") from None
 
@@ -146,7 +148,9 @@ class Registry:
         self.auth = RegistryAuth(registry, source)
         self.retry_log = RetryLog()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        transport = RetryingTransport(httpx.HTTPTransport(verify=_tls(ca_bundle), limits=limits),
+        # Plain http needs no TLS context at all.
+        verify: ssl.SSLContext | bool = _tls(ca_bundle) if self.url.startswith("https:") else False
+        transport = RetryingTransport(httpx.HTTPTransport(verify=verify, limits=limits),
                                       retry or RetryPolicy(), self.retry_log)
         self.client = httpx.Client(base_url=self.url, auth=self.auth, timeout=timeout, transport=transport,
                                    event_hooks=event_hooks)
@@ -406,9 +410,12 @@ class Registry:
 
     def copy_within(self, source_repository: str, digest: str, repository: str, tag: str) -> str:
         """Tag `source@digest` as `repository:tag` on this registry (blobs are mounted, not copied)."""
-        from .oci_copy import copy_image  # the copy engine builds on this client
+        from .oci_copy import CopyOptions, copy_image  # the copy engine builds on this client
+        from .oci_locations import BlobLocations
 
-        copy_image(self, source_repository, digest, self, repository, tags=(tag,))
+        # On one registry the source repository is where to mount from: no hints to keep.
+        copy_image(self, source_repository, digest, self, repository, tags=(tag,),
+                   options=CopyOptions(locations=BlobLocations()))
         return digest
 
     def put_blob(self, repository: str, content: bytes) -> str:

@@ -222,7 +222,7 @@ class GateStage(StageRecord):
 @stage_record("sign")
 @dataclass
 class SignStage(StageRecord):
-    """`imagebuild sign`: the cosign signature and the four attestations, by digest (sign.py)."""
+    """`imagebuild sign`: the cosign signature and the six attestations, by digest (sign.py)."""
 
     status: StageStatus  # passed, failed, refused, interrupted
     digest: str | None = None  # the image signed: a rerun skips only while this is still the variant's digest

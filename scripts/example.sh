@@ -53,7 +53,9 @@ PY
 images=()
 for line in "${released[@]}"; do images+=("${line##* }"); done
 # Every image of the report, by digest, as an admission controller would check it.
-imagebuild verify --config examples/local/trust.yaml "${images[@]}"
+imagebuild verify --config examples/local/trust.yaml --require-provenance "${images[@]}"
+# The release record of the first image, verified: what went into it and what happened to it.
+imagebuild inspect --config examples/local/trust.yaml "${images[0]}"
 # The policies embed this machine's public key, so they go to the workdir, not the repository.
 imagebuild policies generate --config examples/local/trust.yaml --out "$workdir/admission"
 

@@ -27,6 +27,7 @@ from imagebuild.oci_auth import (
     scopes_for,
 )
 from imagebuild.oci_copy import cosign_tag
+from imagebuild.oci_locations import BlobLocations, default_cache_dir
 from imagebuild.oci_retry import RetryPolicy, parse_retry_after
 from imagebuild.registry import base_url
 
@@ -262,3 +263,45 @@ def test_cosign_and_referrers_fallback_tags_of_a_digest():
     digest = "sha256:" + "ab" * 32
     assert cosign_tag(digest, "sig") == "sha256-" + "ab" * 32 + ".sig"
     assert cosign_tag(digest) == "sha256-" + "ab" * 32
+
+
+# --- where blobs were seen ------------------------------------------------------------------
+
+def test_blob_locations_keep_the_newest_repositories_first_and_survive_in_their_file(tmp_path):
+    path = tmp_path / "cache" / "blob-locations.json"
+    locations = BlobLocations(path)
+    for repository in ("a", "b", "c", "d", "e", "b"):
+        locations.remember("r.example.com", "sha256:1", repository)
+    assert locations.hints("r.example.com", "sha256:1") == ["b", "e", "d", "c"]
+    assert locations.hints("other.example.com", "sha256:1") == []
+    locations.save()
+    assert BlobLocations(path).hints("r.example.com", "sha256:1") == ["b", "e", "d", "c"]
+
+
+def test_saving_merges_what_another_process_wrote_meanwhile(tmp_path):
+    path = tmp_path / "blob-locations.json"
+    mine, theirs = BlobLocations(path), BlobLocations(path)
+    theirs.remember("r", "sha256:1", "theirs")
+    theirs.remember("r", "sha256:2", "theirs")
+    theirs.save()
+    mine.remember("r", "sha256:1", "mine")
+    mine.save()
+    again = BlobLocations(path)
+    assert again.hints("r", "sha256:1") == ["mine", "theirs"] and again.hints("r", "sha256:2") == ["theirs"]
+
+
+def test_a_damaged_cache_file_is_ignored_and_a_refused_hint_forgotten(tmp_path):
+    path = tmp_path / "blob-locations.json"
+    path.write_text('{"locations": {"r": ')
+    locations = BlobLocations(path)
+    assert locations.hints("r", "sha256:1") == []
+    locations.remember("r", "sha256:1", "gone")
+    locations.remember("r", "sha256:1", "here")
+    locations.forget("r", "sha256:1", "gone")
+    assert locations.hints("r", "sha256:1") == ["here"]
+
+
+def test_the_cache_lives_under_IMAGEBUILD_CACHE_DIR_or_the_xdg_cache():
+    assert default_cache_dir({"IMAGEBUILD_CACHE_DIR": "/c"}) == Path("/c")
+    assert default_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/imagebuild")
+    assert default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/imagebuild")

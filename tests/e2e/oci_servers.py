@@ -183,6 +183,8 @@ class TokenIssuer:
     # OAuth2 refresh tokens (docker's `identitytoken`) -> the user they stand for.
     refresh_tokens: dict[str, str] = field(default_factory=dict)
     issued: list[str] = field(default_factory=list)  # every token handed out (none may be logged)
+    # user -> the repository prefix their grants are limited to (others: every repository)
+    limited_to: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.key, self.cert = self_signed("imagebuild test token issuer", ca=False)
@@ -243,7 +245,8 @@ class TokenIssuer:
         for scope in scopes:
             kind, _, rest = scope.partition(":")
             name, _, actions = rest.rpartition(":")
-            give = [a for a in actions.split(",") if a in allowed]
+            prefix = self.limited_to.get(account or "")
+            give = [a for a in actions.split(",") if a in allowed and (prefix is None or name.startswith(prefix))]
             if give:
                 access.append({"type": kind, "name": name, "actions": give})
                 granted.append(f"{kind}:{name}:{','.join(give)}")

@@ -21,6 +21,7 @@ import pytest
 
 from imagebuild.oci_auth import Credentials
 from imagebuild.oci_copy import CopyOptions, copy_image, cosign_tag
+from imagebuild.oci_locations import BlobLocations
 from imagebuild.oci_retry import RetryPolicy
 from imagebuild.registry import (
     DOCKER_MANIFEST_LIST,
@@ -54,6 +55,22 @@ def _unique(prefix: str) -> str:
 
 
 # --- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def own_blob_cache(tmp_path_factory):
+    """Copies remember where blobs landed (oci_locations); these tests keep theirs apart."""
+    import imagebuild.oci_copy as oci_copy
+
+    previous = os.environ.get("IMAGEBUILD_CACHE_DIR")
+    os.environ["IMAGEBUILD_CACHE_DIR"] = str(tmp_path_factory.mktemp("imagebuild-cache"))
+    oci_copy._default = None
+    yield
+    oci_copy._default = None
+    if previous is None:
+        os.environ.pop("IMAGEBUILD_CACHE_DIR")
+    else:
+        os.environ["IMAGEBUILD_CACHE_DIR"] = previous
+
 
 @pytest.fixture(scope="session")
 def tools() -> dict[str, str]:
@@ -358,6 +375,50 @@ def _large_image(tools, tmp_path, repository: str, size: int) -> tuple[str, dict
         return digest, json.loads(staging.get_manifest(repository, digest)[0])
 
 
+def test_blobs_the_target_registry_holds_in_another_repository_are_mounted_across_registries(
+        tools, tmp_path, region_registry):
+    repository = _unique("hinted")
+    digest = crane_image(tools, tmp_path, repository, size=300_000)
+    cache = tmp_path / "blob-locations.json"
+    first, second, third = (f"{repository}-{n}" for n in range(3))
+    with Registry(STAGING) as source, Registry(region_registry) as target:
+        uploaded = copy_image(source, repository, digest, target, first, options=CopyOptions(locations=BlobLocations(cache)))
+        # A later process reads where the first copy put the blobs, and mounts them from there.
+        mounted = copy_image(source, repository, digest, target, second, options=CopyOptions(locations=BlobLocations(cache)))
+        # Without that knowledge, the same copy uploads everything again.
+        unhinted = copy_image(source, repository, digest, target, third, options=CopyOptions(locations=BlobLocations()))
+    assert uploaded.stats.blobs_uploaded == 2 and uploaded.stats.bytes_uploaded > 300_000
+    assert mounted.stats.blobs_mounted == 2 and mounted.stats.bytes_uploaded == 0
+    assert unhinted.stats.blobs_uploaded == 2 and unhinted.stats.bytes_uploaded == uploaded.stats.bytes_uploaded
+    assert skopeo_raw_digest(tools, f"{region_registry}/{second}@{digest}") == digest
+    with Registry(STAGING) as source:
+        layer = json.loads(source.get_manifest(repository, digest)[0])["layers"][0]["digest"]
+    assert BlobLocations(cache).hints(region_registry, layer) == [second, first]
+
+
+def test_a_hint_to_a_repository_the_user_may_not_read_falls_back_to_an_upload(
+        tools, tmp_path, token_registry, token_service, passwords):
+    repository = _unique("private")
+    digest = crane_image(tools, tmp_path, repository)
+    token_service.users["team"] = (passwords["reader"], ("pull", "push"))
+    token_service.limited_to["team"] = "e2e-oci/team-"
+    locations = BlobLocations()
+    options = CopyOptions(locations=locations)
+    with Registry(STAGING) as source:
+        with Registry(token_registry, credentials=Credentials(ROBOT, passwords[ROBOT])) as robot:
+            copy_image(source, repository, digest, robot, repository, options=options)
+        with Registry(token_registry, credentials=Credentials("team", passwords["reader"])) as team:
+            own = _unique("team")
+            result = copy_image(source, repository, digest, team, own, tags=["v1"], options=options)
+    with Registry(STAGING) as source:
+        layer = json.loads(source.get_manifest(repository, digest)[0])["layers"][0]["digest"]
+    assert locations.hints(token_registry, layer) == [own, repository]
+    assert result.stats.blobs_mounted == 0 and result.stats.blobs_uploaded == 2
+    tried = [r for r in token_service.requests if r.account == "team" and f"repository:{repository}:pull" in r.scopes]
+    assert tried and not any(repository in scope for r in tried for scope in r.granted), "the mount was tried, refused"
+    assert skopeo_digest(tools, f"{token_registry}/{own}:v1", creds=f"team:{passwords['reader']}") == digest
+
+
 def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the_registry_stands(
         tools, tmp_path, region_registry):
     repository = _unique("large")
@@ -476,6 +537,29 @@ def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(t
     assert httpx.head(f"http://{region_registry}/v2/{repository}/manifests/never").status_code == 404
 
 
+def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_status(tools, tmp_path, region_registry):
+    repository = _unique("slow-down")
+    digest = crane_image(tools, tmp_path, repository)
+    proxy = FlakyProxy(region_registry, [Fault("HEAD", r"/manifests/", "status", status=429, retry_after="3600")])
+    try:
+        with Registry(STAGING) as source, Registry(proxy.host) as target:
+            with pytest.raises(RegistryError) as raised:
+                copy_image(source, repository, digest, target, repository)
+            assert target.retry_log.retries == 0
+    finally:
+        proxy.stop()
+    assert raised.value.status == 429 and "HEAD manifest answered HTTP 429" in str(raised.value)
+
+
+def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(region_registry):
+    repository = _unique("missing")
+    with Registry(STAGING) as source, Registry(region_registry) as target:
+        with pytest.raises(RegistryError) as raised:
+            copy_image(source, repository, "v1", target, repository, tags=["v1"])
+        assert target.list_tags(repository) == set()
+    assert str(raised.value) == f"{STAGING}/{repository}:v1: no such manifest" and raised.value.status == 404
+
+
 # --- signatures, attestations, referrers ----------------------------------------------------
 
 def _cosign_env() -> dict[str, str]:
@@ -485,7 +569,7 @@ def _cosign_env() -> dict[str, str]:
     return {**os.environ, "COSIGN_PASSWORD": password.read_text().strip()}
 
 
-def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
+def test_signatures_attestations_and_sboms_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
     repository = _unique("signed")
     digest = crane_image(tools, tmp_path, repository)
     env, ref = _cosign_env(), f"{STAGING}/{repository}@{digest}"
@@ -495,6 +579,10 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
     predicate.write_text(json.dumps({"status": "passed", "digest": digest}))
     run([tools["cosign"], "attest", "--key", str(KEYS / "cosign.key"), "--type", "https://imagebuild.dev/test/v1",
          "--predicate", str(predicate), *offline, ref], env=env)
+    sbom = tmp_path / "sbom.json"
+    sbom.write_text(json.dumps({"bomFormat": "CycloneDX", "specVersion": "1.5", "components": []}))
+    run([tools["cosign"], "attach", "sbom", "--sbom", str(sbom), "--type", "cyclonedx", "--input-format", "json",
+         "--allow-http-registry", "--allow-insecure-registry", ref], env=env)
     target_ref = f"{region_registry}/{repository}@{digest}"
     verify = [tools["cosign"], "verify", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
               "--allow-insecure-registry", "--allow-http-registry"]
@@ -503,12 +591,15 @@ def test_signatures_and_attestations_travel_and_cosign_verifies_them_in_the_targ
         assert run([*verify, target_ref], env=env, check=False).returncode != 0, "no signature copied by default"
         result = copy_image(source, repository, digest, target, repository, tags=["v1"],
                             options=CopyOptions(signatures=True))
-    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, "att"), cosign_tag(digest, "sig")]
+    assert sorted(result.stats.signature_tags) == [cosign_tag(digest, kind) for kind in ("att", "sbom", "sig")]
     verified = run([*verify, "--output", "json", target_ref], env=env)
     assert json.loads(verified.stdout)[0]["critical"]["image"]["docker-manifest-digest"] == digest
     run([tools["cosign"], "verify-attestation", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
          "--allow-insecure-registry", "--allow-http-registry", "--type", "https://imagebuild.dev/test/v1",
          target_ref], env=env)
+    sbom_copied = run([tools["cosign"], "download", "sbom", "--allow-http-registry", "--allow-insecure-registry",
+                       target_ref], env=env)
+    assert json.loads(sbom_copied.stdout)["bomFormat"] == "CycloneDX"
 
 
 def _push_blob(registry: str, repository: str, content: bytes) -> dict:

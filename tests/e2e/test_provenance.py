@@ -113,7 +113,7 @@ def rewrite_attestation(image: Image, predicate_type: str, change) -> None:
     assert start.status_code == 202, start.text
     location = start.headers["location"]
     location = location if location.startswith("http") else f"http://{registry}{location}"
-    put = httpx.put(location, params={"digest": digest}, content=blob,
+    put = httpx.put(f"{location}{'&' if '?' in location else '?'}digest={digest}", content=blob,
                     headers={"Content-Type": "application/octet-stream"})
     assert put.status_code == 201, put.text
     layer["digest"], layer["size"] = digest, len(blob)

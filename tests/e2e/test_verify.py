@@ -470,7 +470,7 @@ def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign_cli, 
 # --- the example, signed by `imagebuild sign` -------------------------------------------------------
 
 
-def test_the_signed_example_verifies_with_all_four_attestations_under_the_example_trust_config_and_cosign_agrees(
+def test_the_signed_example_verifies_with_all_six_attestations_under_the_example_trust_config_and_cosign_agrees(
         signed_example, cosign_cli):
     run = verify("--config", str(REPO / "examples" / "local" / "trust.yaml"), "--format", "json",
                  *signed_example.images, *signed_example.tags)
@@ -479,8 +479,9 @@ def test_the_signed_example_verifies_with_all_four_attestations_under_the_exampl
     assert len(verdicts) == len(signed_example.images) + len(signed_example.tags) > 0
     for verdict in verdicts:
         assert verdict["allowed"] and verdict["key"] == "imagebuild-local", verdict
-        assert "; 4 attestations (" in verdict["reason"]
-        assert set(verdict["reason"].split(" attestations (")[1].rstrip(")").split(", ")) == set(TYPES)
+        assert "; 6 attestations (" in verdict["reason"]  # sign's four, and the release record's two
+        assert set(verdict["reason"].split(" attestations (")[1].rstrip(")").split(", ")) == {
+            *TYPES, "provenance", "release"}
     for image in signed_example.images:
         assert cosign_cli.admits(image, signed_example.public_key), image
         for kind in TYPES:
