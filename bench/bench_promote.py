@@ -1,0 +1,122 @@
+"""Benchmark: `imagebuild promote` against skopeo copy and crane copy (+ cosign copy for the signatures).
+
+    python bench/bench_promote.py --workdir W                  # every signed variant of W's build report
+    python bench/bench_promote.py --image 127.0.0.1:5000/r/paddle@sha256:... --runs 3 --format json
+
+Each run promotes each signed image, by digest, into a fresh repository:
+
+- same registry: staging (127.0.0.1:5000) -> staging;
+- cross-registry: staging -> the region registry 127.0.0.1:5001.
+
+imagebuild promote does everything in one step: verify the source's signature, copy the image
+with its signature and attestations, audit them in the target, tag. skopeo and crane copy the
+image only, so their time is theirs plus `cosign copy --only=sig,att` of the signatures and
+attestations (cosign copy never re-copies the image then). Each tool runs as a process, as a
+release script calls it, interleaved per run so load drifts hit every tool alike. Medians,
+and each peer's time over imagebuild's (above 1: imagebuild is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STAGING, REGION = "127.0.0.1:5000", "127.0.0.1:5001"
+TOOLS = Path("/opt/imagebuild-tools/bin")
+KEY = Path("/var/lib/imagebuild/keys/cosign.pub")
+
+
+def _tool(name: str) -> str:
+    found = TOOLS / name
+    return str(found) if found.exists() else name
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:3])} ... failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+
+
+def signed_images(workdir: Path) -> list[str]:
+    report = json.loads((workdir / "build-report.json").read_text())
+    return [v["image"] for v in report["variants"] if (v.get("stages") or {}).get("sign", {}).get("status") == "passed"]
+
+
+def imagebuild_promote(source: str, target: str) -> None:
+    _run([sys.executable, "-m", "imagebuild", "promote", source, target, "--tag", "promoted", "--key", str(KEY),
+          "--workdir", str(Path(os.environ.get("TMPDIR", "/tmp")) / "bench-promote")])
+
+
+def cosign_copy_signatures(source: str, target: str) -> None:
+    _run([_tool("cosign"), "copy", "--only=sig,att", "--allow-http-registry", "--allow-insecure-registry", "--force",
+          source, target])
+
+
+def skopeo_then_cosign(source: str, target: str) -> None:
+    _run(["skopeo", "copy", "--src-tls-verify=false", "--dest-tls-verify=false", f"docker://{source}",
+          f"docker://{target}:promoted"])
+    cosign_copy_signatures(source, target)
+
+
+def crane_then_cosign(source: str, target: str) -> None:
+    _run([_tool("crane"), "copy", "--insecure", source, f"{target}:promoted"])
+    cosign_copy_signatures(source, target)
+
+
+PROMOTERS: dict[str, Callable[[str, str], None]] = {
+    "imagebuild": imagebuild_promote, "skopeo+cosign": skopeo_then_cosign, "crane+cosign": crane_then_cosign}
+
+
+def timed(step: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path(".imagebuild/example"))
+    parser.add_argument("--image", action="append", default=[], help="a signed image by digest (repeatable)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--format", choices=["text", "json"], default="text")
+    args = parser.parse_args()
+    images = args.image or signed_images(args.workdir)
+    if not images:
+        raise SystemExit("no signed image: give --image REF@DIGEST or a --workdir whose report has signed variants")
+
+    times: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.runs):
+        for tool, promote in PROMOTERS.items():
+            for case, registry in (("same registry", STAGING), ("cross-registry", REGION)):
+                project = f"imagebuild-bench/promote-{tool.split('+')[0]}-{uuid.uuid4().hex[:8]}"
+                total = sum(timed(lambda: promote(image, f"{registry}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}"))  # noqa: B023
+                            for image in images)
+                times.setdefault(tool, {}).setdefault(case, []).append(total)
+    medians = {tool: {case: statistics.median(values) for case, values in cases.items()}
+               for tool, cases in times.items()}
+    ratios = {case: {tool: medians[tool][case] / medians["imagebuild"][case] for tool in medians if tool != "imagebuild"}
+              for case in ("same registry", "cross-registry")}
+    if args.format == "json":
+        print(json.dumps({"images": images, "runs": args.runs, "median_s": medians,
+                          "peer_over_imagebuild": ratios}, indent=2))
+        return 0
+    print(f"{len(images)} images, {args.runs} runs, median seconds for all images (peer / imagebuild)")
+    for case in ("same registry", "cross-registry"):
+        ours = medians["imagebuild"][case]
+        row = "  ".join(f"{tool} {m[case]:.2f}s ({m[case] / ours:.2f}x)" for tool, m in medians.items())
+        fastest = min(ratios[case].values())
+        print(f"{case:15} {row}   fastest peer / imagebuild: {fastest:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
