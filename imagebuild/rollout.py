@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
+import hashlib
 import json
 import os
 import secrets
@@ -109,8 +110,6 @@ def state_tag(prefix: str, name: str) -> str:
     tag = f"{prefix}-{name}"
     if len(tag) <= 128:
         return tag
-    import hashlib
-
     return f"{prefix}-{name[:64]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
@@ -672,12 +671,21 @@ class Reconciler:
         return self._remove_created_tag(region, target, step, current)
 
     def _remove_created_tag(self, region: Region, target: Registry, step: RollbackStep, current: str) -> str:
-        try:
-            self._in_region(region, lambda: target.delete_manifest(region.repository, step.tag))
-            how = "tag deleted"
-        except RegistryError as exc:
-            if exc.status not in (400, 405) or self.record["present_before"].get(region.name, True):
-                note = f"cannot delete the tag on this registry ({exc.status}) and the image predates the rollout"
+        def delete_tag() -> int | None:
+            """None when the tag is gone; else the status with which the registry refused deleting a tag."""
+            try:
+                target.delete_manifest(region.repository, step.tag)
+            except RegistryUnreachable:
+                raise
+            except RegistryError as exc:
+                return exc.status or 0
+            return None
+
+        refused = self._in_region(region, delete_tag)
+        how = "tag deleted"
+        if refused is not None:
+            if refused not in (400, 405) or self.record["present_before"].get(region.name, True):
+                note = f"cannot delete the tag on this registry ({refused}) and the image predates the rollout"
                 self.journal.event("rollback-skip", wave=step.wave, region=step.region, tag=step.tag, detail=note)
                 return note
             # The image came with this rollout: deleting it (by digest) removes the tags it created.

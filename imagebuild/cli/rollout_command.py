@@ -67,7 +67,7 @@ def rollout_group() -> None:
     Examples:
       imagebuild rollout start --release release.yaml --image 127.0.0.1:5000/imagebuild/paddle@sha256:... \\
           --channel stable --channel 2.6-gpu-cuda11.8
-      imagebuild rollout start --variant 3.3.1-cpu-py3.12 --workdir work --channel stable
+      imagebuild rollout start --variant paddle3.3.1-cpu-py3.11-debian12 --workdir work --channel stable
       imagebuild rollout status                       # the latest rollout of the release's channels
       imagebuild rollout status 20261201t053000-ab12cd --format json
       imagebuild rollout approve 20261201t053000-ab12cd --wave canary

@@ -326,8 +326,8 @@ def test_a_signature_missing_in_one_region_halts_before_that_region_tags_move(tm
     before = setup.seed("stable")
     image = setup.source()
     digest = image.split("@")[1]
-    # Stop right after us-east's copy is recorded (step 5: canary is 0-4), then take the signature away there.
-    run = setup.start(image, env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "5"})
+    # Stop right after us-east's copy is recorded (step 7: canary is 0-6), then take the signature away there.
+    run = setup.start(image, "stable", "2.6-gpu", env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "7"})
     assert run.returncode == -signal.SIGKILL, run.stderr
     rollout_id = rollout_id_of(run)
     with Registry(REGIONS["us-east"]) as registry:
@@ -337,13 +337,16 @@ def test_a_signature_missing_in_one_region_halts_before_that_region_tags_move(tm
     resumed = setup.cli("resume", rollout_id)
     assert resumed.returncode == 1, resumed.stderr
     assert "region us-east" in resumed.stderr and "does not verify" in resumed.stderr
-    assert setup.tag("eu-west", "stable") == digest
+    assert setup.tag("eu-west", "stable") == digest and setup.tag("eu-west", "2.6-gpu") == digest
     assert setup.tag("us-east", "stable") == before["us-east"]
     assert setup.tag("ap-south", "stable") == before["ap-south"]
-    assert setup.serving_unsigned() == []
+    assert [setup.tag(region, "2.6-gpu") for region in ("us-east", "ap-south")] == [None, None]
+    assert setup.serving_unsigned(("stable", "2.6-gpu")) == []
 
     assert setup.cli("rollback", rollout_id).returncode == 0
     assert {region: setup.tag(region, "stable") for region in REGIONS} == before
+    assert setup.tag("eu-west", "2.6-gpu") is None  # the rollout created it: gone again
+    assert setup.serving_unsigned(("stable", "2.6-gpu")) == []
 
 
 def test_abort_stops_before_the_next_step_and_resume_refuses(tmp_path):
