@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO_ROOT
-from .conftest import EXAMPLE_POLICY, KEYS, STAGING, imagebuild, trivy_cache_with_db, unique
+from .conftest import EXAMPLE_POLICY, KEYS, STAGING, imagebuild, unique
 
 REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 NEWS = {"ecosystem": "pypi", "id": "CVE-2099-41001", "package": "paddlepaddle", "vulnerable": ["<99.0"],
@@ -85,17 +85,22 @@ def quarantined(deployed: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def news_db(trivy_db, tmp_path_factory) -> Path:
+def news_db(scanned_example, tmp_path_factory) -> Path:
+    """The session's Trivy cache (its layers analysed already), with a DB that knows of NEWS."""
+    import shutil
+
     from .trivydb import FixtureError, build_fixture_db
 
+    cache = tmp_path_factory.mktemp("trivy-news") / "cache"
+    shutil.copytree(scanned_example.cache_dir, cache)
     try:
-        return build_fixture_db(tmp_path_factory.mktemp("trivy-news"), extra=[NEWS])
+        return build_fixture_db(cache, extra=[NEWS])
     except FixtureError as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
-def test_with_yesterdays_db_every_image_behind_a_channel_passes_and_nothing_is_quarantined(deployed, trivy_db, tmp_path):
-    run = rescan(deployed, trivy_cache_with_db(trivy_db, tmp_path), "--format", "json")
+def test_with_yesterdays_db_every_image_behind_a_channel_passes_and_nothing_is_quarantined(deployed, scanned_example):
+    run = rescan(deployed, scanned_example.cache_dir, "--format", "json")
     assert run.returncode == 0, run.stderr[-3000:]
     result = run.json()
     assert {i["digest"] for i in result["images"]} == set(deployed["digests"].values()), "each digest once"
