@@ -183,3 +183,22 @@ def test_a_bad_policy_is_named_with_its_line_before_anything_is_built(tmp_path: 
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"error: {policy}:2: severity"), result.stderr
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("command", ["release", "rescan"])
+def test_every_option_the_workflows_pass_is_one_the_command_takes(command):
+    import re
+
+    from .conftest import REPO_ROOT
+
+    used: set[str] = set()
+    for workflow in (REPO_ROOT / ".github" / "workflows").glob("*.yml"):
+        for line in workflow.read_text().splitlines():
+            match = re.search(rf"\bimagebuild {command}\b(.*)", line)
+            if match:
+                used |= set(re.findall(r"(--[a-z][a-z-]*)", match.group(1)))
+    assert used, f"no workflow calls imagebuild {command}"
+    shown = run_imagebuild(command, "--help")
+    assert shown.returncode == 0
+    for option in used:
+        assert option in shown.stdout, f"a workflow passes {option} to imagebuild {command}"
