@@ -33,9 +33,23 @@ class Released:
         return release(workdir or self.workdir, self.cache_dir, self.password, *self.args, *extra)
 
 
+def this_revision() -> tuple[str, str]:
+    """The checkout's commit and its time, pinned for the module: a commit made while the tests
+    run must not make the rerun a release of another revision (its release layers would differ)."""
+    import subprocess
+
+    out = subprocess.run(["git", "log", "-1", "--format=%H %ct"], cwd=EXAMPLE.parents[2], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0], out[1]
+
+
+REVISION, COMMIT_TIME = this_revision()
+
+
 def release(workdir: Path, cache_dir: Path, password: str, *args: str) -> Run:
     return imagebuild("release", "--matrix", str(EXAMPLE), "--workdir", str(workdir), "--offline",
-                      "--cache-dir", str(cache_dir), *args, env={"COSIGN_PASSWORD": password}, timeout=3600)
+                      "--cache-dir", str(cache_dir), "--revision", REVISION, *args,
+                      env={"COSIGN_PASSWORD": password, "SOURCE_DATE_EPOCH": COMMIT_TIME}, timeout=3600)
 
 
 @pytest.fixture(scope="module")
