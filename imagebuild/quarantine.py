@@ -171,8 +171,12 @@ def channel_images(config: ReleaseConfig, unreachable: Callable[[str, str], None
 
 
 def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Path,
-           on_event: Callable[[str], None] = lambda _: None, today: dt.date | None = None) -> list[RescanResult]:
-    """Scan and judge every image behind a channel tag; quarantine each that fails."""
+           on_event: Callable[[str], None] = lambda _: None, today: dt.date | None = None,
+           unreachable: dict[str, str] | None = None) -> list[RescanResult]:
+    """Scan and judge every image behind a channel tag; quarantine each that fails.
+
+    A region that cannot be reached is skipped and named in `unreachable` (region -> why):
+    what it serves was not judged, which the caller must report."""
     from . import gate as gating
     from . import scan as scanning
     from .report import VariantRecord
@@ -182,7 +186,12 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
     today = today or dt.datetime.now(dt.timezone.utc).date()
     trivy = scanning.Trivy.find()
     db = scanning.prepare_db(trivy, scan_options)
-    images = channel_images(config, lambda region, why: on_event(f"region {region} unreachable: {why}"))
+    def down(region: str, why: str) -> None:
+        on_event(f"region {region} unreachable: {why}")
+        if unreachable is not None:
+            unreachable[region] = why
+
+    images = channel_images(config, down)
     store = _store(config)
     results = []
     try:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .. import scan as scanning
 from ..source import InputError
-from .common import EXIT_FAILED, format_option, reports_input_errors, stdout
+from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors, stdout
 from .rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
 
 
@@ -37,8 +37,8 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     which `imagebuild rollout start` and `resume` refuse it. One line per image on stdout.
 
     Exit 0 when every image passes; 1 when any fails (newly quarantined, or still failing
-    while quarantined) or could not be scanned; 2 on bad input; 3 when Trivy or a registry
-    is missing.
+    while quarantined) or could not be scanned; 2 on bad input; 3 when Trivy is missing or
+    a region could not be reached (the others are still judged and quarantined).
 
     \b
     Examples:
@@ -56,15 +56,16 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     parse_policy(load_document(policy_path))
     options = scanning.ScanOptions(workdir=out, dockerfiles=out, cache_dir=cache_dir.resolve(), offline=offline,
                                    db_repository=db_repository)
+    unreachable: dict[str, str] = {}
     results = quarantine.rescan(config, policy_path, options, out.resolve(),
-                                on_event=lambda line: click.echo(line, err=True))
+                                on_event=lambda line: click.echo(line, err=True), unreachable=unreachable)
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):
             quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
                                          "tags": r.tags, "blocking": [b["id"] for b in r.blocking]})
     if output_format == "json":
         click.echo(json.dumps({"release": str(release_path), "policy": str(policy_path),
-                               "images": [r.to_dict() for r in results],
+                               "images": [r.to_dict() for r in results], "unreachable": unreachable,
                                "quarantined": [r.digest for r in results if r.status == "quarantined"]}, indent=2))
     else:
         for r in results:
@@ -74,8 +75,12 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
         failing = sum(r.fails for r in results)
         click.echo(f"{len(results)} image(s) behind the channel tags; {failing} failing"
                    + (" (quarantined: `imagebuild rollout start` refuses them)" if failing else ""))
+        for region, why in unreachable.items():
+            click.echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
     if any(r.fails for r in results):
         sys.exit(EXIT_FAILED)
+    if unreachable:
+        sys.exit(EXIT_ENVIRONMENT)
 
 
 @click.command("quarantine")

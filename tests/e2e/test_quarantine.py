@@ -163,3 +163,19 @@ def test_quarantine_bad_input_is_one_line_exit_2(tmp_path, args, message):
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_a_region_that_cannot_be_reached_is_named_and_the_rescan_exits_3(trivy_db, tmp_path):
+    """What an unreachable region serves was not judged: the nightly job must not read that as 'all clear'."""
+    (tmp_path / "trust.yaml").write_text((REPO_ROOT / "examples" / "local" / "rollout-trust.yaml").read_text())
+    release = tmp_path / "release.yaml"
+    release.write_text(f"schema: 1\ntrust: trust.yaml\nstate: {{registry: '{STAGING}', repository: "
+                       f"{unique('quarantine')}/rollouts}}\nregions:\n"
+                       "  - {name: gone, registry: '127.0.0.1:9', repository: x/paddle}\n"
+                       "channels: [cpu]\nwaves:\n  - {name: all, regions: [gone], gates: {soak: 1s}}\n")
+    run = imagebuild("rescan", "--release", str(release), "--policy", str(EXAMPLE_POLICY), "--offline",
+                     "--cache-dir", str(trivy_db), "--out", str(tmp_path / "rescan"), "--state-dir",
+                     str(tmp_path / "state"), "--format", "json")
+    assert run.returncode == 3, (run.stdout, run.stderr)
+    assert list(run.json()["unreachable"]) == ["gone"]
+    assert run.json()["images"] == []
