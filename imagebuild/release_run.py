@@ -245,14 +245,18 @@ class ReleaseRun:
 
         trivy = scanning.Trivy.find()
         options = self.scan_options
-        db = scanning.prepare_db(trivy, options)
         variants = self._variants(ids)
-        fresh = [v for v in variants if not scan_reusable(v, self.options.workdir, trivy.version, db.updated_at)]
+        fresh = variants
+        if any(earlier_scan_of(v) for v in variants):
+            # Which DB would scan now decides whether an earlier scan stands (ScanRun asks again
+            # for the ones it scans: offline that is a file read, online Trivy's own freshness check).
+            db = scanning.prepare_db(trivy, options)
+            fresh = [v for v in variants if not scan_reusable(v, self.options.workdir, trivy.version, db.updated_at)]
         for v in variants:
             if v not in fresh:
                 self._set(v.id, "scan", Cell(Outcome.REUSED, "already scanned", scan_counts(v.stage(ScanStage))))
         if fresh:
-            self.on_event(f"scan: {len(fresh)} image(s) with Trivy {trivy.version}, DB of {db.updated_at}")
+            self.on_event(f"scan: {len(fresh)} image(s) with Trivy {trivy.version}")
             report = BuildReport.read(self.report_path)
             summary = scanning.ScanRun(report, self.report_path, options, trivy).run(
                 [v for v in report.variants if v.id in {f.id for f in fresh}])
@@ -408,6 +412,11 @@ def carry_forward(report_path: Path, report: BuildReport,
     for name, records in by_stage.items():
         record_stage(report_path, name, records)
     return sum(len(records) for records in by_stage.values())
+
+
+def earlier_scan_of(variant: VariantRecord) -> bool:
+    record = variant.stage(ScanStage)
+    return record is not None and record.status == StageStatus.OK and record.digest == variant.digest
 
 
 def scan_reusable(variant: VariantRecord, workdir: Path, trivy_version: str, db_updated_at: str | None) -> bool:

@@ -150,10 +150,9 @@ def print_release(summary: dict) -> None:
                 stdout.print(f"{v['id']}: {name} failed: {cell['detail']}", markup=False)
     work = summary["work"]
     if summary["nothing_new"]:
-        stdout.print("nothing new: every variant was already built, tested, scanned, gated and signed"
-                     + (" and pushed" if any(v["stages"].get("push", {}).get("outcome") == "reused"
-                                              for v in summary["variants"]) else "")
-                     + " at these digests")
+        pushed = any(v["stages"].get("push", {}).get("outcome") == "reused" for v in summary["variants"])
+        stdout.print("nothing new: every variant was already built, tested, scanned, gated"
+                     + (", signed and pushed" if pushed else " and signed") + " at these digests")
     else:
         stdout.print(f"work done: {work['layers_built']} layers built, {work['smoke_runs']} smoke runs, "
                      f"{work['scans']} scans, {work['gate_runs']} gate verdicts, {work['signed']} signed, "
