@@ -141,7 +141,7 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
     import os
 
     from .. import harbor
-    from .harbor_command import _ca, _checked_url, _credentials, _harbor_failures
+    from .harbor_command import _ca, _checked_url, _harbor_failures, credentials_from
 
     base_url = _checked_url(url)
     _, path = plan.split_repository(to)
@@ -151,7 +151,7 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
         harbor.check_name("project", path)
     except ValueError as err:
         raise InputError("--to", None, "", str(err)) from None
-    credentials = _credentials(os.environ.get("HARBOR_USERNAME"), password_file)
+    credentials = credentials_from(os.environ.get("HARBOR_USERNAME"), password_file)
     ca = _ca(ca_bundle)
 
     def setup() -> tuple[dict[str, Any], Any]:
