@@ -544,7 +544,9 @@ def test_two_concurrent_starts_of_the_same_channel_exactly_one_proceeds(tmp_path
 def test_the_signed_example_rolls_out_with_its_attestations(tmp_path, signed_example):
     setup = Setup(tmp_path)
     setup.write(CANARY_THEN_REST, attestations="[sbom, vuln, smoke, gate]")
-    image = signed_example.images[0]  # repository@digest in staging, signed and attested by `imagebuild sign`
+    # The CPU variant (the smaller copy): repository@digest in staging, signed and attested by `imagebuild sign`.
+    variants = json.loads(signed_example.report_path.read_text())["variants"]
+    image = next(v["image"] for v in variants if v["device"] == "cpu")
     run = setup.start(image)
     assert run.returncode == 0, run.stderr
     digest = image.split("@")[1]
