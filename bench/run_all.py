@@ -48,6 +48,7 @@ BENCHES = (
     Bench("yaml_limits", "bench_yaml_limits.py", quick=("--runs", "1"), headline=r" s  peak "),
     Bench("verify", "bench_verify.py", quick=("--count", "20"), headline=r"ms/image|x$|per image"),
     Bench("scan", "bench_scan.py", headline=r"^cold scan|images \("),
+    Bench("release", "bench_release.py", quick=("--runs", "2"), headline=r"^priming run|^rerun wall"),
     Bench("cold_build", "bench_cold_build.py", quick=("--only", "device=cpu"), headline=r"ratio|imagebuild .* s|peer .* s",
           opt_in=True, why_opt_in="empties the BuildKit cache other builds rely on"),
     Bench("bootstrap", "bench_bootstrap.py", headline=r"built in|bootstrap from nothing", needs_root=True,
