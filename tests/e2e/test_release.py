@@ -148,3 +148,37 @@ def test_a_variant_blocked_by_the_gate_stops_there_while_the_other_goes_on(relea
     assert by_id[gpu]["status"] == "released"
     assert by_id[gpu]["stages"]["gate"]["outcome"] == "done", "a new policy is a new verdict"
     assert by_id[gpu]["stages"]["sign"]["outcome"] == "reused"
+
+
+def test_an_interrupted_release_exits_130_and_a_rerun_finishes_the_job(released, tmp_path):
+    """SIGINT while the smoke tests run: exit 130, the report says which stage stopped; the rerun completes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "work"
+    args = [a for a in released.args if a not in ("--format", "json")]
+    argv = [sys.executable, "-m", "imagebuild", "release", "--matrix", str(EXAMPLE), "--workdir", str(workdir),
+            "--offline", "--cache-dir", str(released.cache_dir), "--revision", REVISION, *args]
+    env = {**os.environ, "COSIGN_PASSWORD": released.password, "SOURCE_DATE_EPOCH": COMMIT_TIME}
+    proc = subprocess.Popen(argv, cwd=EXAMPLE.parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("smoke: "):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=600)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted by SIGINT" in rest
+    report = json.loads((workdir / "build-report.json").read_text())
+    smoke = [v["stages"].get("smoke", {}).get("status") for v in report["variants"]]
+    assert "passed" not in smoke[:1], smoke  # the first variant's run was cut short
+    assert not any(v["stages"].get("sign") for v in report["variants"]), "nothing past the stopped stage"
+
+    again = release(workdir, released.cache_dir, released.password, *released.args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.json()["status"] == "released"
