@@ -10,7 +10,7 @@ Each benchmark runs in a process of its own, as its docstring shows, one after a
 would skew each other's figures). Skipped, and said so: `bootstrap` unless root and named with
 --include (it reinstalls every tool from nothing: many minutes); `cold_build` unless named with
 --include (it empties the BuildKit cache, which other builds on the machine rely on); `scan`
-when there is no built example to scan. Exits 1 when any benchmark that ran failed (missed its
+and `promote` when there is no built example (scripts/example.sh makes one). Exits 1 when any benchmark that ran failed (missed its
 target, or broke).
 """
 from __future__ import annotations
@@ -49,6 +49,9 @@ BENCHES = (
     Bench("verify", "bench_verify.py", quick=("--count", "20"), headline=r"ms/image|x$|per image"),
     Bench("scan", "bench_scan.py", headline=r"^cold scan|images \("),
     Bench("release", "bench_release.py", quick=("--runs", "2"), headline=r"^priming run|^rerun wall"),
+    Bench("oci_copy", "bench_oci_copy.py", quick=("--layer-mib", "20", "--runs", "1"),
+          headline=r"^image:|^(new blobs|held elsewhere|again|same registry) "),
+    Bench("promote", "bench_promote.py", quick=("--runs", "1"), headline=r"images, .* runs|fastest peer"),
     Bench("cold_build", "bench_cold_build.py", quick=("--only", "device=cpu"), headline=r"ratio|imagebuild .* s|peer .* s",
           opt_in=True, why_opt_in="empties the BuildKit cache other builds rely on"),
     Bench("bootstrap", "bench_bootstrap.py", headline=r"built in|bootstrap from nothing", needs_root=True,
@@ -75,7 +78,7 @@ def scan_workdir() -> Path | None:
 
 def run_one(bench: Bench, quick: bool, timeout: float) -> Outcome:
     args = list(bench.quick if quick else bench.args)
-    if bench.name == "scan":
+    if bench.name in ("scan", "promote"):
         workdir = scan_workdir()
         if workdir is None:
             return Outcome(bench.name, "skipped", note="no built example (run scripts/example.sh first)")

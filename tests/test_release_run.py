@@ -202,3 +202,18 @@ def test_every_option_the_workflows_pass_is_one_the_command_takes(command):
     assert shown.returncode == 0
     for option in used:
         assert option in shown.stdout, f"a workflow passes {option} to imagebuild {command}"
+
+
+def test_the_benchmark_runner_knows_every_benchmark_in_bench():
+    import importlib.util
+    import sys
+
+    from .conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("run_all", REPO_ROOT / "bench" / "run_all.py")
+    assert spec and spec.loader
+    run_all = importlib.util.module_from_spec(spec)
+    sys.modules["run_all"] = run_all  # dataclasses look their module up there
+    spec.loader.exec_module(run_all)
+    scripts = {path.name for path in (REPO_ROOT / "bench").glob("bench_*.py")}
+    assert {b.script for b in run_all.BENCHES} == scripts
