@@ -395,7 +395,9 @@ class Registry:
         if response.status_code not in (204, 200):
             raise self._fail(response, "upload status", repository)
         match = re.match(r"\s*(?:bytes=)?0-(\d+)", response.headers.get("range", ""))
-        return int(match.group(1)) + 1 if match else 0
+        # Distribution answers "0-0" for a session that holds nothing yet: read as 0, since going on
+        # after a byte that is not there corrupts the blob, while resending one is refused (416) and retried.
+        return int(match.group(1)) + 1 if match and match.group(1) != "0" else 0
 
     def mount_blob(self, repository: str, digest: str, source_repository: str) -> None:
         """Make a blob of another repository on this registry available here, without copying."""

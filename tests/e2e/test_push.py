@@ -467,7 +467,7 @@ def test_promote_through_500s_429s_resets_and_cut_answers_retries_and_succeeds(r
         cpu = cpu_variant(release.report)
         [tag] = cpu["tags"]
         result = promote(f"{release.to}/paddle:{tag}", f"{proxy.host}/faults/paddle", tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == 0, (result.stdout[-3000:], proxy.log[-30:])
         assert result.json()["audit"]["passed"] and result.json()["tags_written"] == [tag]
         assert all(f.served == f.times for f in faults), [(f.method, f.path, f.served) for f in faults]
     finally:
