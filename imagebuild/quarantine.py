@@ -54,7 +54,8 @@ def _who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _store(config: ReleaseConfig) -> Any:
+def open_state(config: ReleaseConfig) -> Any:
+    """The release's state repository (rollout.StateStore), where the marks live."""
     from .rollout import open_store
 
     return open_store(config)
@@ -96,7 +97,7 @@ def list_marks(store: Any) -> list[dict[str, Any]]:
 
 def refusal(config: ReleaseConfig, digest: str) -> str | None:
     """Why `digest` may not be rolled out (it is quarantined), or None. rollout start/resume call this."""
-    store = _store(config)
+    store = open_state(config)
     try:
         record = find(store, digest)
     finally:
@@ -192,7 +193,7 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
             unreachable[region] = why
 
     images = channel_images(config, down)
-    store = _store(config)
+    store = open_state(config)
     results = []
     try:
         for image in images:

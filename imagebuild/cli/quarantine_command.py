@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
@@ -111,7 +112,7 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
     if image is None:
         if clear or reason:
             raise InputError("IMAGE", None, "", "--clear and --reason need the IMAGE they apply to")
-        store = quarantine._store(config)
+        store = quarantine.open_state(config)
         try:
             marks = quarantine.list_marks(store)
         finally:
@@ -126,7 +127,8 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
     if not clear and not (reason or "").strip():
         raise InputError("--reason", None, "", "missing: say why IMAGE is quarantined")
     digest = _digest(image)
-    store = quarantine._store(config)
+    store = quarantine.open_state(config)
+    result: dict[str, Any]
     try:
         if clear:
             lifted = quarantine.clear(store, digest)
