@@ -123,6 +123,7 @@ class ReleaseRun:
     trust: Any = None  # trust.TrustConfig for push; None without --push-to
     on_event: Event = lambda _: None
     results: dict[str, VariantRelease] = field(default_factory=dict)
+    duration_s: float | None = None
     work: dict[str, int] = field(default_factory=lambda: {"layers_built": 0, "smoke_runs": 0, "scans": 0,
                                                           "gate_runs": 0, "signed": 0, "pushed": 0})
 
@@ -136,11 +137,13 @@ class ReleaseRun:
         started = time.monotonic()
         self.build(matrix, selection, revision, created, matrix_sha256)
         going = self._going()
-        going = self.smoke(going)
-        going = self.scan(going)
-        going = self.gate(going)
-        going = self.sign(going)
-        self.push(going)
+        for name, stage in (("smoke", self.smoke), ("scan", self.scan), ("gate", self.gate), ("sign", self.sign),
+                            ("push", self.push)):
+            stage(going)
+            for vid in going:  # a stage that gave no result for a variant (cut short) did not pass it
+                if name not in self.results[vid].stages:
+                    self._set(vid, name, Cell(Outcome.FAILED, "no result", f"{name} gave no result for it"))
+            going = self._going()
         self.duration_s = round(time.monotonic() - started, 1)
         return list(self.results.values())
 
@@ -369,7 +372,7 @@ class ReleaseRun:
             "report": str(self.report_path),
             "status": "released" if variants and all(v.status == "released" for v in variants) else "failed",
             "nothing_new": bool(variants) and all(v.all_reused for v in variants),
-            "duration_s": getattr(self, "duration_s", None),
+            "duration_s": self.duration_s,
             "work": dict(self.work),
             "variants": [v.to_dict() for v in variants],
         }

@@ -217,3 +217,47 @@ def test_the_benchmark_runner_knows_every_benchmark_in_bench():
     spec.loader.exec_module(run_all)
     scripts = {path.name for path in (REPO_ROOT / "bench").glob("bench_*.py")}
     assert {b.script for b in run_all.BENCHES} == scripts
+
+
+class ScriptedRun(ReleaseRun):
+    """The orchestration alone: each stage answers from a script instead of doing the work."""
+
+    script: dict[str, dict[str, Cell]] = {}
+
+    def build(self, *_args) -> None:
+        for vid in ("a", "b"):
+            self.results[vid] = VariantRelease(vid)
+            self._set(vid, "build", Cell(Outcome.REUSED, "reused"))
+
+    def _stage(self, name: str, ids: list[str]) -> list[str]:
+        self.calls.append((name, list(ids)))
+        for vid, cell in self.script.get(name, {}).items():
+            if vid in ids:
+                self._set(vid, name, cell)
+        return self._going()
+
+    def smoke(self, ids):
+        return self._stage("smoke", ids)
+
+    def scan(self, ids):
+        return self._stage("scan", ids)
+
+    def gate(self, ids):
+        return self._stage("gate", ids)
+
+    def sign(self, ids):
+        return self._stage("sign", ids)
+
+
+def test_each_stage_gets_only_the_variants_still_going_and_a_missing_result_is_a_failure(tmp_path: Path):
+    done = Cell(Outcome.DONE, "ok")
+    run = ScriptedRun(ReleaseOptions(workdir=tmp_path), scan_options=None, sign_options=None)
+    run.calls = []
+    run.script = {"smoke": {"a": done, "b": done}, "scan": {"a": Cell(Outcome.FAILED, "failed", "trivy"), "b": done},
+                  "gate": {"b": done}, "sign": {}}  # sign says nothing about b: cut short
+    run.run(None, None, "rev", "created", "sha256:m")
+    assert run.calls == [("smoke", ["a", "b"]), ("scan", ["a", "b"]), ("gate", ["b"]), ("sign", ["b"])]
+    a, b = run.results["a"], run.results["b"]
+    assert a.failed_stage == "scan" and a.stages["push"].outcome is Outcome.NOT_REACHED
+    assert b.failed_stage == "sign" and b.stages["sign"].word == "no result"
+    assert run.summary()["status"] == "failed"
