@@ -724,11 +724,21 @@ def check_source(trust: TrustConfig, image: str) -> str:
     return str(verdict.reason)
 
 
+def refuse_quarantined(config: ReleaseConfig, digest: str, image: str) -> None:
+    """A quarantined digest (`imagebuild rescan` found it failing the gate) goes no further."""
+    from .quarantine import refusal
+
+    why = refusal(config, digest)
+    if why:
+        raise RolloutError(f"refusing to roll out {image}: {why}")
+
+
 def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_dir: Path, out: Output) -> int:
     ref = ImageRef.parse(image)
     if not ref.digest:
         raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
     steps = plan_rollout(config, ref.digest, channels)
+    refuse_quarantined(config, ref.digest, image)
     trust = _trust(config)
     out(f"source {image}: {check_source(trust, image)}")
     rollout_id = new_rollout_id()
@@ -774,6 +784,7 @@ def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output)
         return EXIT_DONE
     if record["status"] in ("aborted", "rolling-back", "rolled-back"):
         raise RolloutError(f"rollout {rollout_id} is {record['status']}: only `rollback` applies to it now")
+    refuse_quarantined(config, record["digest"], record["source"])
     trust = _trust(config)
     lease.acquire()
     record = journal.record = load_record(journal.store, rollout_id)  # as it stands now we hold the lease

@@ -1,46 +1,100 @@
 #!/usr/bin/env bash
-# The main job on the built-in example: set everything up (idempotent), then run the
-# pipeline on examples/local/matrix.yaml against the local staging registry:
-# validate, render check, plan, build, smoke tests, scan (+ SBOMs), vulnerability gate, then sign
-# and attest with the key bootstrap made, verify, and write the admission policies.
+# The main job on the built-in example, end to end on this machine:
+#   1. set everything up (scripts/bootstrap.sh: Docker, the staging registry 127.0.0.1:5000 and
+#      the three "regions" 127.0.0.1:5001-5003, trivy, cosign, the signing key);
+#   2. check the example matrix (validate, render --check, plan against the registry);
+#   3. `imagebuild release`: build, smoke tests, scan, gate, sign and attest each variant;
+#   4. verify the signed images as admission would, and write the admission policies;
+#   5. roll each variant out to its channel across the regions, canary (eu-west) first
+#      (examples/local/release.yaml);
+#   6. say where to look.
+# Idempotent: a second run finds every step done, does no build, scan or signing work, moves
+# no tag, and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
+# The e2e test of this script runs it on a machine bootstrap already set up (scripts/test.sh
+# comes after bootstrap), and skips it with IMAGEBUILD_EXAMPLE_SKIP_BOOTSTRAP=1.
+if [ "${IMAGEBUILD_EXAMPLE_SKIP_BOOTSTRAP:-0}" != 1 ]; then
+  scripts/bootstrap.sh
+fi
 # bootstrap installed the package into this venv; its python and imagebuild come first.
 export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 matrix=examples/local/matrix.yaml
+release=examples/local/release.yaml
 workdir=.imagebuild/example
 trivy_cache=.imagebuild/trivy-example
+state_dir=$workdir/rollouts
+keys=/var/lib/imagebuild/keys
+# The example's signing key: made by bootstrap outside the repository; cosign reads the
+# password from the environment only.
+COSIGN_PASSWORD="$(cat "$keys/cosign.password")"
+export COSIGN_PASSWORD
 
 imagebuild validate --matrix "$matrix"
 imagebuild render --matrix "$matrix" --check
 imagebuild plan --matrix "$matrix" --registry
-imagebuild build --matrix "$matrix" --workdir "$workdir"
-imagebuild test --workdir "$workdir"
 
 # Trivy's public DB cannot be downloaded here: the example scans with a small DB written by
-# Trivy's own trivy-db package (tests/fixtures/trivydb) holding real advisories. In
-# production, point `imagebuild scan --db-repository` at your DB mirror instead.
-python -c 'import sys; from pathlib import Path; from tests.e2e.trivydb import build_fixture_db; build_fixture_db(Path(sys.argv[1]))' "$trivy_cache"
-imagebuild scan --workdir "$workdir" --offline --cache-dir "$trivy_cache"
-imagebuild gate --workdir "$workdir" --policy examples/local/policy.yaml
+# Trivy's own trivy-db package (tests/fixtures/trivydb) holding real advisories. Made once: its
+# date is the DB's version, and a new DB means a new scan. In production, point
+# `imagebuild release --db-repository` at your DB mirror instead.
+if [ ! -f "$trivy_cache/db/metadata.json" ]; then
+  python -c 'import sys; from pathlib import Path; from tests.e2e.trivydb import build_fixture_db; build_fixture_db(Path(sys.argv[1]))' "$trivy_cache"
+fi
 
-# The example's signing key: made by bootstrap outside the repository; cosign reads the
-# password from the environment only.
-keys=/var/lib/imagebuild/keys
-COSIGN_PASSWORD="$(cat "$keys/cosign.password")" imagebuild sign --workdir "$workdir" --key "$keys/cosign.key"
-# Every image of the report, by digest, as an admission controller would check it.
-mapfile -t images < <(python - "$workdir/build-report.json" <<'PY'
+# The whole chain per variant; a rerun reuses every result for an unchanged digest.
+imagebuild release --matrix "$matrix" --workdir "$workdir" --policy examples/local/policy.yaml \
+  --offline --cache-dir "$trivy_cache" --key "$keys/cosign.key"
+
+# variant id, device and image (repository@sha256:...) of every released variant.
+mapfile -t released < <(python - "$workdir/build-report.json" <<'PY'
 import json, sys
 for variant in json.load(open(sys.argv[1]))["variants"]:
     if variant.get("image"):
-        print(variant["image"])  # repository@sha256:...
+        print(variant["id"], variant["device"], variant["image"])
 PY
 )
+images=()
+for line in "${released[@]}"; do images+=("${line##* }"); done
+# Every image of the report, by digest, as an admission controller would check it.
 imagebuild verify --config examples/local/trust.yaml --require-provenance "${images[@]}"
 # The release record of the first image, verified: what went into it and what happened to it.
 imagebuild inspect --config examples/local/trust.yaml "${images[0]}"
 # The policies embed this machine's public key, so they go to the workdir, not the repository.
 imagebuild policies generate --config examples/local/trust.yaml --out "$workdir/admission"
-echo "done: build report with smoke, scan, gate and sign results in $workdir/build-report.json;"
-echo "      admission policies for this machine's key in $workdir/admission/"
+
+# The canary rollout: each variant to its channel (cpu, gpu), eu-west first, then us-east and
+# ap-south, each wave after its gates (a short soak, the signature verified in the region).
+for line in "${released[@]}"; do
+  read -r variant device image <<<"$line"
+  if python - "$release" "$image" "$device" <<'PY'
+import sys
+from pathlib import Path
+from imagebuild.registry import ImageRef
+from imagebuild.release import load_release
+from imagebuild.rollout import region_registry
+config, digest, channel = load_release(Path(sys.argv[1])), ImageRef.parse(sys.argv[2]).digest, sys.argv[3]
+for region in config.regions:
+    with region_registry(region) as registry:
+        if registry.head_manifest(region.repository, channel) != digest:
+            sys.exit(1)
+PY
+  then
+    echo "rollout: $variant is already behind channel '$device' in every region; nothing to move"
+  else
+    imagebuild rollout start --release "$release" --image "$image" --channel "$device" --state-dir "$state_dir"
+  fi
+done
+imagebuild rollout status --release "$release"
+
+cat <<EOF2
+
+done. Where to look:
+  release report (every stage per variant): $workdir/build-report.json
+    smoke tests: $workdir/smoke/   scans and SBOMs: $workdir/scan/   gate: $workdir/gate/result.json
+    signed predicates: $workdir/sign/   admission policies for this key: $workdir/admission/
+  rollouts: imagebuild rollout status --release $release   (records in the state registry)
+    audit trail: $state_dir/audit.jsonl
+  the release record of an image: imagebuild inspect --config examples/local/trust.yaml ${images[0]}
+  tonight's rescan: imagebuild rescan --release $release --policy examples/local/policy.yaml --offline --cache-dir $trivy_cache
+EOF2

@@ -18,14 +18,18 @@ from .inspect_command import inspect_command
 from .matrix_commands import plan, render, support, validate
 from .policies_command import policies_group
 from .push_command import promote_command, push_command
+from .quarantine_command import quarantine_command, rescan_command
+from .release_command import release_command
 from .rollout_command import rollout_group
 from .scan_commands import gate_command, scan
 from .sign_command import sign_command
 from .test_command import test_command
 from .verify_command import verify_command
 
-PIPELINE_ORDER = ("validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify",
-                  "inspect", "push", "promote", "rollout")
+PIPELINE_ORDER = (
+    "validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "inspect", "push",
+    "promote", "release", "rollout", "rescan", "quarantine",
+)
 
 
 class PipelineGroup(click.Group):
@@ -65,7 +69,10 @@ cli.add_command(admission_group)
 cli.add_command(harbor_group)
 cli.add_command(push_command)
 cli.add_command(promote_command)
+cli.add_command(release_command)
 cli.add_command(rollout_group)
+cli.add_command(rescan_command)
+cli.add_command(quarantine_command)
 
 
 def main() -> None:

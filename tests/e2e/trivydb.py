@@ -62,10 +62,23 @@ def build_program() -> Path:
     return binary
 
 
-def build_fixture_db(cache_dir: Path) -> Path:
-    """Write the fixture DB into CACHE_DIR/db; returns CACHE_DIR."""
+def build_fixture_db(cache_dir: Path, extra: list[dict] | None = None) -> Path:
+    """Write the fixture DB into CACHE_DIR/db; returns CACHE_DIR.
+
+    `extra`: advisories to add, as published after a release (main.go's extraAdvisory), e.g.
+    {"ecosystem": "pypi", "id": ..., "package": ..., "vulnerable": ["<9"], "patched": ["9"],
+    "severity": "CRITICAL", "title": ..., "published": "2026-11-30T00:00:00Z"}.
+    """
+    import json
+
     binary = build_program()
-    proc = subprocess.run([str(binary), "-out", str(cache_dir / "db")], capture_output=True, text=True, timeout=120)
+    args = [str(binary), "-out", str(cache_dir / "db")]
+    if extra:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        extra_file = cache_dir / "extra-advisories.json"
+        extra_file.write_text(json.dumps(extra))
+        args += ["-extra", str(extra_file)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise FixtureError(f"{binary} failed: {proc.stderr[-2000:]}")
     for name in ("trivy.db", "metadata.json"):

@@ -1,0 +1,185 @@
+"""imagebuild rescan and imagebuild quarantine: what is behind the channel tags, judged again (logic in quarantine.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from .. import scan as scanning
+from ..source import InputError
+from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors, stdout
+from .rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
+
+
+@click.command("rescan")
+@release_option
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("policies/vulnerabilities.yaml"), show_default=True, help="The vulnerability policy.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=scanning.DEFAULT_CACHE,
+              show_default=True, help="Trivy's cache; CACHE_DIR/db holds the vulnerability DB.")
+@click.option("--offline", is_flag=True, help="Use the DB already in CACHE_DIR/db; download nothing.")
+@click.option("--db-repository", metavar="REF", default=None, help="OCI repository of your Trivy DB mirror.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild/rescan"),
+              show_default=True, help="Trivy's reports per digest.")
+@state_dir_option
+@format_option("table", "json")
+@reports_input_errors
+def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offline: bool, db_repository: str | None,
+                   out: Path, state_dir: Path, output_format: str) -> None:
+    """Scan every image behind a channel tag again, with today's DB; quarantine those that now fail the gate.
+
+    Each channel tag of each region is resolved to a digest; each digest is scanned once
+    (from the first region that has it) and judged with the policy. One that fails is
+    quarantined: marked in the release's state repository (`quarantine-sha256-<hex>`), after
+    which `imagebuild rollout start` and `resume` refuse it. One line per image on stdout.
+
+    Exit 0 when every image passes; 1 when any fails (newly quarantined, or still failing
+    while quarantined) or could not be scanned; 2 on bad input; 3 when Trivy is missing or
+    a region could not be reached (the others are still judged and quarantined).
+
+    \b
+    Examples:
+      imagebuild rescan --release release.yaml                      # nightly, fresh DB
+      imagebuild rescan --release examples/local/release.yaml --policy examples/local/policy.yaml \\
+          --offline --cache-dir .imagebuild/trivy-example --format json
+    """
+    from .. import quarantine
+    from ..gate import parse_policy
+    from ..source import load_document
+
+    if offline and db_repository:
+        raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
+    config = _load(release_path)
+    parse_policy(load_document(policy_path))
+    options = scanning.ScanOptions(workdir=out, dockerfiles=out, cache_dir=cache_dir.resolve(), offline=offline,
+                                   db_repository=db_repository)
+    unreachable: dict[str, str] = {}
+    results = quarantine.rescan(config, policy_path, options, out.resolve(),
+                                on_event=lambda line: click.echo(line, err=True), unreachable=unreachable)
+    for r in results:
+        if r.status in ("quarantined", "still-quarantined"):
+            quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
+                                         "tags": r.tags, "blocking": [b["id"] for b in r.blocking]})
+    if output_format == "json":
+        click.echo(json.dumps({"release": str(release_path), "policy": str(policy_path),
+                               "images": [r.to_dict() for r in results], "unreachable": unreachable,
+                               "quarantined": [r.digest for r in results if r.status == "quarantined"]}, indent=2))
+    else:
+        for r in results:
+            what = ", ".join(f"{b['id']} {b['package']} {b['installed']}" for b in r.blocking[:4]) or r.error or ""
+            click.echo(f"{r.status.upper() if r.fails else r.status:18} {r.image}  {', '.join(r.tags)}"
+                       + (f"  {what}" if what else ""))
+        failing = sum(r.fails for r in results)
+        click.echo(f"{len(results)} image(s) behind the channel tags; {failing} failing"
+                   + (" (quarantined: `imagebuild rollout start` refuses them)" if failing else ""))
+        for region, why in unreachable.items():
+            click.echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
+    if any(r.fails for r in results):
+        sys.exit(EXIT_FAILED)
+    if unreachable:
+        sys.exit(EXIT_ENVIRONMENT)
+
+
+@click.command("quarantine")
+@click.argument("image", required=False, metavar="[IMAGE]")
+@release_option
+@click.option("--reason", default=None, metavar="TEXT", help="Why IMAGE is quarantined (required to quarantine).")
+@click.option("--clear", is_flag=True, help="Lift the quarantine of IMAGE.")
+@state_dir_option
+@format_option("table", "json")
+@reports_input_errors
+def quarantine_command(image: str | None, release_path: Path, reason: str | None, clear: bool, state_dir: Path,
+                       output_format: str) -> None:
+    """Quarantine IMAGE by hand, lift it with --clear, or list what is quarantined (no IMAGE).
+
+    IMAGE is REF@sha256:..., a bare sha256:..., or a tag (resolved to its digest now). The
+    mark is kept in the release's state repository, keyed by digest; `rollout start` and
+    `resume` refuse a quarantined digest. Marks and clears go to STATE_DIR/audit.jsonl.
+
+    \b
+    Examples:
+      imagebuild quarantine --release release.yaml                  # list
+      imagebuild quarantine 127.0.0.1:5001/imagebuild/paddle@sha256:... --reason "CVE-2026-1234 in libfoo"
+      imagebuild quarantine sha256:... --clear
+    """
+    from .. import quarantine
+
+    config = _load(release_path)
+    if image is None:
+        if clear or reason:
+            raise InputError("IMAGE", None, "", "--clear and --reason need the IMAGE they apply to")
+        store = quarantine.open_state(config)
+        try:
+            marks = quarantine.list_marks(store)
+        finally:
+            store.registry.close()
+        if output_format == "json":
+            click.echo(json.dumps({"release": str(release_path), "quarantined": marks}, indent=2))
+        else:
+            print_marks(marks)
+        return
+    if clear and reason:
+        raise InputError("--reason", None, "", "is for quarantining; --clear lifts a quarantine")
+    if not clear and not (reason or "").strip():
+        raise InputError("--reason", None, "", "missing: say why IMAGE is quarantined")
+    digest = _digest(image)
+    store = quarantine.open_state(config)
+    result: dict[str, Any]
+    try:
+        if clear:
+            lifted = quarantine.clear(store, digest)
+            if lifted:
+                quarantine.audit(state_dir, {"event": "quarantine-cleared", "digest": digest, "image": image})
+            result = {"digest": digest, "action": "cleared" if lifted else "not-quarantined"}
+        else:
+            record = quarantine.mark(store, digest, (reason or "").strip(), images=[image], source="manual")
+            quarantine.audit(state_dir, {"event": "quarantine", "digest": digest, "source": "manual",
+                                         "reason": record["reason"]})
+            result = {"digest": digest, "action": "quarantined", "record": record}
+    finally:
+        store.registry.close()
+    if output_format == "json":
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"{result['action']}: {digest}")
+
+
+def _digest(image: str) -> str:
+    from .. import quarantine
+    from ..registry import ImageRef, Registry
+
+    try:
+        return quarantine.parse_digest_of(image)
+    except ValueError:
+        pass
+    try:
+        ref = ImageRef.parse(image)
+    except ValueError as exc:
+        raise InputError("IMAGE", None, image, str(exc)) from None
+    if ref.digest or not ref.tag:
+        raise InputError("IMAGE", None, image, "give REF@sha256:<64 hex>, sha256:<64 hex>, or a tag")
+    with Registry(ref.registry) as registry:
+        digest = registry.head_manifest(ref.repository, ref.tag)
+    if not digest:
+        raise InputError("IMAGE", None, image, "no such tag in its registry")
+    return digest
+
+
+def print_marks(marks: list[dict]) -> None:
+    if not marks:
+        stdout.print("nothing is quarantined")
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    for column in ("digest", "since", "source", "reason", "images"):
+        table.add_column(column, overflow="fold")
+    for m in marks:
+        table.add_row(m.get("digest", ""), m.get("since", ""), m.get("source", ""), m.get("reason", ""),
+                      ", ".join(m.get("images") or []))
+    stdout.print(table)
+
+
+__all__ = ["rescan_command", "quarantine_command", "DEFAULT_STATE_DIR"]

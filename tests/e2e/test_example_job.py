@@ -1,0 +1,66 @@
+"""The README's first command, scripts/example.sh, run twice on this machine: the second run finds
+everything done (no build, scan or signing work, no tag moved) and says so.
+
+bootstrap.sh itself is left out (IMAGEBUILD_EXAMPLE_SKIP_BOOTSTRAP=1): the tests run after it,
+and bench/bench_bootstrap.py measures it from nothing. The example's layers are in the registry
+(the session's `built_example`), so a run costs at most this revision's release layers, their
+smoke tests, scans, signatures and rollouts.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from ..conftest import REPO_ROOT
+
+REGIONS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
+
+
+def run_example() -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "example.sh")], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=3600, env={**os.environ, "IMAGEBUILD_EXAMPLE_SKIP_BOOTSTRAP": "1"})
+    return proc, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def two_runs(built_example):
+    import httpx
+
+    for host in REGIONS:
+        try:
+            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
+        except httpx.HTTPError as exc:
+            pytest.fail(f"the region registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    first, first_s = run_example()
+    assert first.returncode == 0, f"example.sh failed:\n{first.stdout[-4000:]}\n{first.stderr[-4000:]}"
+    second, second_s = run_example()
+    assert second.returncode == 0, f"example.sh (again) failed:\n{second.stdout[-4000:]}\n{second.stderr[-4000:]}"
+    return first, second, first_s, second_s
+
+
+def test_the_example_releases_every_variant_rolls_it_out_and_says_where_to_look(two_runs):
+    first = two_runs[0]
+    out = first.stdout + first.stderr
+    assert "2 of 2 variant(s) released" in out
+    assert "Where to look" in first.stdout and "audit trail" in first.stdout
+    assert "rollout status" in first.stdout
+
+
+def test_the_second_run_does_no_work_moves_no_tag_and_says_so(two_runs):
+    _, second, first_s, second_s = two_runs
+    out = second.stdout + second.stderr
+    assert "nothing new: every variant was already built, tested, scanned, gated and signed" in out
+    assert "nothing to build" in out
+    assert out.count("nothing to move") == 2, "each variant is already behind its channel in every region"
+    assert "-> cpu" not in out and "-> gpu" not in out, "no rollout started"
+    import re
+
+    rows = second.stderr.splitlines()
+    assert not [row for row in rows if re.match(r"\d\d:\d\d:\d\d (building|built) ", row)], "no layer built"
+    assert not [row for row in rows if row.startswith(("scan: ", "gate: "))], "no scan, no gate verdict"
+    assert len(re.findall(r"already signed", second.stdout)) == 2, "both variants' signatures reused"
+    assert second_s < max(first_s, 60)
