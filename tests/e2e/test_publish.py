@@ -14,8 +14,8 @@ import tarfile
 import uuid
 from pathlib import Path
 
-import httpx
 import docker
+import httpx
 import pytest
 
 from imagebuild.layerstore import EngineStorage
