@@ -54,6 +54,9 @@ def cli(debug: bool) -> None:
       imagebuild render && git diff dockerfiles/       # regenerate the Dockerfiles
       imagebuild render --check                        # CI: fail when they drifted
       imagebuild support                               # the Paddle/CUDA/Python table
+      imagebuild release --only device=cpu             # build, smoke, scan, gate, sign, push
+      imagebuild verify IMAGE@sha256:...               # as the admission webhook checks it
+      imagebuild rollout start --release release.yaml --image REF --channel stable
     """
     if debug:
         os.environ["IMAGEBUILD_DEBUG"] = "1"
