@@ -146,3 +146,21 @@ workdir_option = click.option(
     "--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
     show_default=True, help="Where the build report is; scan/ and gate/ results go beside it.")
 
+
+
+DEFAULT_TRUST_CONFIG = Path("policies/trust.yaml")
+
+
+def trust_config_option(config_path: Path | None, keys: tuple[Path, ...], option: str = "--config") -> Any:
+    """The TrustConfig a command was given: ad hoc from `--key` files, else the trust file (OPTION or
+    policies/trust.yaml). Shared by verify, inspect, push, promote and release."""
+    from .. import trust
+
+    if keys and config_path is not None:
+        raise InputError("--key", None, "", f"replaces the trust config; give --key or {option}, not both")
+    if keys:
+        return trust.trust_config_for_keys(list(keys))
+    path = config_path or DEFAULT_TRUST_CONFIG
+    if not path.is_file():
+        raise InputError(str(path), None, "", f"no such trust config (give {option} FILE or --key PUB)")
+    return trust.load_trust_config(path)

@@ -10,15 +10,21 @@ import click
 from rich.tree import Tree
 
 from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors, stdout
-
-DEFAULT_CONFIG = Path("policies/trust.yaml")
+from .common import (
+    DEFAULT_TRUST_CONFIG,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    format_option,
+    reports_input_errors,
+    stdout,
+    trust_config_option,
+)
 
 
 @click.command("inspect")
 @click.argument("image", metavar="IMAGE")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help=f"The trust config whose keys must have signed the record [default: {DEFAULT_CONFIG}].")
+              help=f"The trust config whose keys must have signed the record [default: {DEFAULT_TRUST_CONFIG}].")
 @click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Verify with this public key instead of a config; repeat during a key rotation.")
 @format_option("table", "json")
@@ -42,24 +48,15 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
       imagebuild inspect --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild inspect --key cosign.pub --format json IMAGE@sha256:...
     """
-    from .. import trust
     from ..attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
     from ..provenance import provenance_problems, record_summary, release_problems
     from ..verify import Verifier, parse_image
 
-    if keys and config_path is not None:
-        raise InputError("--key", None, "", "replaces the config; give --key or --config, not both")
     try:
         parse_image(image)
     except ValueError as exc:
         raise InputError(image, None, "", f"not an image reference: {exc}") from None
-    if keys:
-        config = trust.trust_config_for_keys(list(keys))
-    else:
-        path = config_path or DEFAULT_CONFIG
-        if not path.is_file():
-            raise InputError(str(path), None, "", "no such trust config (give --config FILE or --key PUB)")
-        config = trust.load_trust_config(path)
+    config = trust_config_option(config_path, keys)
 
     with Verifier(config) as verifier:
         found = verifier.inspect(image)

@@ -14,14 +14,22 @@ from ..push import AUDIT_LOG, PromoteOutcome, Promoter, PushError, PushOutcome, 
 from ..registry import RegistryError
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors, stdout, workdir_option
-
-DEFAULT_TRUST = Path("policies/trust.yaml")
+from .common import (
+    DEFAULT_TRUST_CONFIG,
+    EXIT_FAILED,
+    format_option,
+    only_option,
+    report_at,
+    reports_input_errors,
+    stdout,
+    trust_config_option,
+    workdir_option,
+)
 
 trust_option = click.option(
     "--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
     help=f"Trust config whose keys (and required attestations) the source and the target must satisfy "
-         f"[default: {DEFAULT_TRUST}].")
+         f"[default: {DEFAULT_TRUST_CONFIG}].")
 key_option = click.option(
     "--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
     help="Verify with this cosign public key instead of a trust config; repeat during a key rotation.")
@@ -34,17 +42,8 @@ insecure_option = click.option(
     help="Reach this registry over plain http (loopback registries always are).")
 
 
-def trust_config(trust_path: Path | None, keys: tuple[Path, ...]):
-    from .. import trust
-
-    if keys and trust_path is not None:
-        raise InputError("--key", None, "", "replaces the trust config; give --key or --trust, not both")
-    if keys:
-        return trust.trust_config_for_keys(list(keys))
-    path = trust_path or DEFAULT_TRUST
-    if not path.is_file():
-        raise InputError(str(path), None, "", "no such trust config (give --trust FILE or --key PUB)")
-    return trust.load_trust_config(path)
+def trust_config(trust_path: Path | None, keys: tuple[Path, ...]) -> Any:
+    return trust_config_option(trust_path, keys, "--trust")
 
 
 def checked_repository(option: str, text: str) -> str:

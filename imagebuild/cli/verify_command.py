@@ -9,15 +9,20 @@ from pathlib import Path
 import click
 
 from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors
-
-DEFAULT_CONFIG = Path("policies/trust.yaml")
+from .common import (
+    DEFAULT_TRUST_CONFIG,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    format_option,
+    reports_input_errors,
+    trust_config_option,
+)
 
 
 @click.command("verify")
 @click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help=f"The trust config: keys, covered images, required attestations [default: {DEFAULT_CONFIG}].")
+              help=f"The trust config: keys, covered images, required attestations [default: {DEFAULT_TRUST_CONFIG}].")
 @click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Verify with this public key instead of a config (signature only, every registry); "
                    "repeat during a key rotation: any one key suffices.")
@@ -52,25 +57,16 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
       imagebuild verify --no-attestations --format json IMAGE...
       imagebuild verify --key cosign.pub --require-provenance IMAGE    # refuse an image without provenance
     """
-    from .. import trust
     from ..verify import Verifier, parse_image
 
     if require_provenance and no_attestations:
         raise InputError("--require-provenance", None, "", "checks an attestation; drop --no-attestations")
-    if keys and config_path is not None:
-        raise InputError("--key", None, "", "replaces the config; give --key or --config, not both")
     for image in images:
         try:
             parse_image(image)
         except ValueError as exc:
             raise InputError(image, None, "", f"not an image reference: {exc}") from None
-    if keys:
-        config = trust.trust_config_for_keys(list(keys))
-    else:
-        path = config_path or DEFAULT_CONFIG
-        if not path.is_file():
-            raise InputError(str(path), None, "", "no such trust config (give --config FILE or --key PUB)")
-        config = trust.load_trust_config(path)
+    config = trust_config_option(config_path, keys)
     if require_provenance and "provenance" not in config.require.attestations:
         config = replace(config, require=replace(config.require,
                                                  attestations=(*config.require.attestations, "provenance")))
