@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STAGING, REGION = "127.0.0.1:5000", "127.0.0.1:5001"
@@ -54,21 +55,25 @@ def signed_images(workdir: Path) -> list[str]:
     return [v["image"] for v in report["variants"] if (v.get("stages") or {}).get("sign", {}).get("status") == "passed"]
 
 
-def imagebuild_promote(source: str, target: str) -> None:
-    """In this process (no interpreter start-up): what `imagebuild push` pays per image."""
+_PROMOTER: list[Any] = []  # one for the whole run, as `imagebuild push` keeps one for all its variants
+
+
+def imagebuild_promote(source: str, target: str, tag: str) -> None:
+    """In this process (no interpreter start-up): what `imagebuild push` pays per image, with one
+    Promoter (its registry connections kept) for every image, as push has."""
     from imagebuild import push_plan, trust
     from imagebuild.push import Promoter
 
-    config = trust.trust_config_for_keys([KEY])
-    with Promoter(config, push_plan.Force(), AUDIT_DIR / "audit.jsonl") as promoter:
-        outcome = promoter.promote(source, target, ["promoted"])
+    if not _PROMOTER:
+        _PROMOTER.append(Promoter(trust.trust_config_for_keys([KEY]), push_plan.Force(), AUDIT_DIR / "audit.jsonl"))
+    outcome = _PROMOTER[0].promote(source, target, [tag])
     if outcome.action not in ("pushed", "unchanged"):
         raise SystemExit(f"imagebuild promote {source}: {outcome.action}: {outcome.reason}")
 
 
-def imagebuild_cli(source: str, target: str) -> None:
+def imagebuild_cli(source: str, target: str, tag: str) -> None:
     """`imagebuild promote` as a process: Python's start-up and the CLI's imports included."""
-    _run([sys.executable, "-m", "imagebuild", "promote", source, target, "--tag", "promoted", "--key", str(KEY),
+    _run([sys.executable, "-m", "imagebuild", "promote", source, target, "--tag", tag, "--key", str(KEY),
           "--workdir", str(AUDIT_DIR)])
 
 
@@ -77,18 +82,18 @@ def cosign_copy_signatures(source: str, target: str) -> None:
           source, target])
 
 
-def skopeo_then_cosign(source: str, target: str) -> None:
+def skopeo_then_cosign(source: str, target: str, tag: str) -> None:
     _run(["skopeo", "copy", "--src-tls-verify=false", "--dest-tls-verify=false", f"docker://{source}",
-          f"docker://{target}:promoted"])
+          f"docker://{target}:{tag}"])
     cosign_copy_signatures(source, target)
 
 
-def crane_then_cosign(source: str, target: str) -> None:
-    _run([_tool("crane"), "copy", "--insecure", source, f"{target}:promoted"])
+def crane_then_cosign(source: str, target: str, tag: str) -> None:
+    _run([_tool("crane"), "copy", "--insecure", source, f"{target}:{tag}"])
     cosign_copy_signatures(source, target)
 
 
-PROMOTERS: dict[str, Callable[[str, str], None]] = {
+PROMOTERS: dict[str, Callable[[str, str, str], None]] = {
     "imagebuild": imagebuild_promote, "imagebuild-cli": imagebuild_cli, "skopeo+cosign": skopeo_then_cosign,
     "crane+cosign": crane_then_cosign}
 PEERS = ("skopeo+cosign", "crane+cosign")
@@ -116,8 +121,10 @@ def main() -> int:
         for tool, promote in PROMOTERS.items():
             for case, registry in (("same registry", STAGING), ("cross-registry", REGION)):
                 project = f"imagebuild-bench/promote-{tool.split('+')[0]}-{uuid.uuid4().hex[:8]}"
-                total = sum(timed(lambda: promote(image, f"{registry}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}"))  # noqa: B023
-                            for image in images)
+                # One tag per image: the example's variants share a repository, and release tags are immutable.
+                total = sum(timed(lambda: promote(image, f"{registry}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}",  # noqa: B023
+                                                  f"promoted-{index}"))  # noqa: B023
+                            for index, image in enumerate(images))
                 times.setdefault(tool, {}).setdefault(case, []).append(total)
     medians = {tool: {case: statistics.median(values) for case, values in cases.items()}
                for tool, cases in times.items()}

@@ -15,8 +15,8 @@ import hashlib
 import json
 import queue
 import threading
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -39,11 +39,16 @@ class CopyOptions:
     # source; an interruption costs at most one window.
     chunk_size: int = 32 * MiB
     signatures: bool = False  # also copy cosign's sha256-<hex>.sig/.att/.sbom tags and OCI referrers
-    concurrency: int = 4  # blobs moved at once
+    concurrency: int = 8  # blobs moved at once (those of the image, its signatures and attestations)
     resume_attempts: int = 5  # per blob: continuing an interrupted upload from where the registry stands
     # Where blobs were seen, for cross-repository mounts; None: the user's cache file
     # (oci_locations.default_cache_dir()); BlobLocations() keeps them in memory only.
     locations: BlobLocations | None = field(default=None, compare=False)
+    # What the caller already read from the source and checked (push: the signature and
+    # attestations it verified), used instead of reading it again: manifests by source tag as
+    # (raw, media type, digest), blobs by digest.
+    known_manifests: Mapping[str, tuple[bytes, str, str]] = field(default_factory=dict, compare=False)
+    known_blobs: Mapping[str, bytes] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -78,6 +83,7 @@ class CopyResult:
     digest: str
     media_type: str
     stats: CopyStats
+    manifest: bytes = b""  # the manifest's bytes, for tagging it later without reading it again
 
 
 _default: BlobLocations | None = None
@@ -230,53 +236,74 @@ class _Copier:
         self.locations = options.locations if options.locations is not None else _default_locations()
         self._hints_refused = False
         self._tree: list[str] = []  # every manifest digest reached, for their signatures
+        self._known = {found[2]: found for found in options.known_manifests.values()}
+        # One pool for the blobs of every manifest copied at once (the image's, its signature's, its
+        # attestations'), so `concurrency` bounds the whole copy. Its tasks never wait on it.
+        self.blob_pool: ThreadPoolExecutor | None = None
 
     # --- manifests ------------------------------------------------------------------------
 
-    def manifest(self, digest: str) -> tuple[bytes, str]:
-        """Make the target hold manifest `digest` and everything it reaches; its bytes and media type."""
-        raw, media_type, actual = self.source.get_manifest(self.source_repository, digest)
-        self._tree.append(actual)
+    def manifest(self, digest: str, tag: str | None = None, *, image: bool = True) -> tuple[bytes, str]:
+        """Make the target hold manifest `digest` and everything it reaches, then name it `tag` (by its
+        digest when None); its bytes and media type. `image`: part of the image (its signatures are copied)."""
+        known = self._known.get(digest)
+        raw, media_type, actual = known or self.source.get_manifest(self.source_repository, digest)
+        if image:
+            self._tree.append(actual)
         document = json.loads(raw)
         if self.target.head_manifest(self.target_repository, actual) == actual:
             self.stats.add(manifests_present=1)
-            for child in document.get("manifests", []) if media_type in INDEX_TYPES else []:
+            for child in document.get("manifests", []) if image and media_type in INDEX_TYPES else []:
                 self._tree.append(child["digest"])
+            if tag is not None:
+                self.target.put_manifest(self.target_repository, tag, raw, media_type)
+                self.stats.add(tags_put=1)
             return raw, media_type
         if media_type in INDEX_TYPES:
             for child in document.get("manifests", []):
-                self.manifest(child["digest"])
+                self.manifest(child["digest"], image=image)
         elif "config" in document:
             self.blobs(_blobs(document))
         else:
             raise RegistryError(f"{self.source.registry}/{self.source_repository}@{digest}: cannot copy "
                                 f"media type {media_type or 'unknown'}", registry=self.source.registry,
                                 repository=self.source_repository, operation="copy")
-        self.target.put_manifest(self.target_repository, actual, raw, media_type)
-        self.stats.add(manifests_put=1)
+        # A PUT by tag stores the manifest under its digest too: one request, not two.
+        self.target.put_manifest(self.target_repository, tag or actual, raw, media_type)
+        self.stats.add(manifests_put=1, tags_put=1 if tag else 0)
         return raw, media_type
 
     # --- blobs ----------------------------------------------------------------------------
 
     def blobs(self, descriptors: list[dict]) -> None:
         unique = list({d["digest"]: d for d in descriptors}.values())
-        if len(unique) <= 1 or self.options.concurrency <= 1:
+        if len(unique) <= 1 or self.blob_pool is None:
             for descriptor in unique:
                 self.blob(descriptor)
             return
-        with ThreadPoolExecutor(max_workers=min(self.options.concurrency, len(unique))) as pool:
-            for done in [pool.submit(self.blob, d) for d in unique]:
-                done.result()
+        for done in [self.blob_pool.submit(self.blob, d) for d in unique]:
+            done.result()
 
     def blob(self, descriptor: dict) -> None:
         digest, size = descriptor["digest"], int(descriptor.get("size", -1))
         if size < 0:
             size = self.source.blob_size(self.source_repository, digest) or 0
+        refused_mount: str | None = None  # the upload session a refused mount opened
+        if self.same_registry:
+            # One registry: a mount answers "there" whether the blob was linked now or was already
+            # in the target repository, so it stands in for the HEAD; no byte moves either way.
+            refused_mount = self.target.try_mount(self.target_repository, digest, self.source_repository)
+            if refused_mount is None:
+                self.stats.add(blobs_mounted=1)
+                self._landed(digest)
+                return
         if self.target.blob_size(self.target_repository, digest) is not None:
+            if refused_mount is not None:
+                self._cancel(refused_mount)
             self.stats.add(blobs_present=1)
             self._landed(digest)
             return
-        location = self._mount(digest)
+        location = refused_mount or self._mount(digest)
         if location is None:
             self.stats.add(blobs_mounted=1)
             self._landed(digest)
@@ -287,6 +314,9 @@ class _Copier:
             self._upload_chunked(location, digest, size)
         self.stats.add(blobs_uploaded=1)
         self._landed(digest)
+
+    def _cancel(self, session: str) -> None:
+        self.target._request("DELETE", session, repository=self.target_repository, operation="cancel upload")
 
     def _landed(self, digest: str) -> None:
         self.locations.remember(self.target.registry, digest, self.target_repository)
@@ -302,8 +332,7 @@ class _Copier:
         session: str | None = None
         for repository in candidates:
             if session is not None:  # the previous mount was refused and opened a session: drop it
-                self.target._request("DELETE", session, repository=self.target_repository,
-                                     operation="cancel upload")
+                self._cancel(session)
             try:
                 session = self.target.try_mount(self.target_repository, digest, repository)
             except RegistryAuthError:
@@ -324,7 +353,9 @@ class _Copier:
                              operation=operation, status=status)
 
     def _upload_whole(self, location: str, digest: str) -> None:
-        content = self.source.get_blob(self.source_repository, digest)  # small; digest verified
+        content = self.options.known_blobs.get(digest)
+        if content is None or "sha256:" + hashlib.sha256(content).hexdigest() != digest:
+            content = self.source.get_blob(self.source_repository, digest)  # small; digest verified
         self.stats.add(bytes_uploaded=len(content))
         self._commit(location, digest, content)
 
@@ -384,7 +415,7 @@ class _Copier:
             self.stats.add(source_reopened=reader.reopened)
         actual = "sha256:" + hasher.hexdigest()
         if actual != digest:
-            self.target._request("DELETE", location, repository=self.target_repository, operation="cancel upload")
+            self._cancel(location)
             raise RegistryError(f"{self.source.registry}/{self.source_repository}@{digest}: the blob streamed "
                                 f"({offset} bytes) hashes to {actual}", registry=self.source.registry,
                                 repository=self.source_repository, operation="GET blob")
@@ -415,28 +446,38 @@ class _Copier:
 
     # --- signatures, attestations, referrers ----------------------------------------------
 
-    def signatures(self) -> None:
-        for digest in dict.fromkeys(self._tree):
-            for suffix in COSIGN_SUFFIXES:
-                tag = cosign_tag(digest, suffix)
-                found = self.source.head_manifest(self.source_repository, tag)
-                if found is None:
-                    continue
-                raw, media_type = self.manifest(found)
-                self.target.put_manifest(self.target_repository, tag, raw, media_type)
-                self.stats.add(tags_put=1)
-                self.stats.signature_tags.append(tag)
-            self.referrers_of(digest)
+    def signature(self, digest: str, suffix: str) -> None:
+        """Copy cosign's `sha256-<hex>.<suffix>` tag of `digest`, when the source has one."""
+        tag = cosign_tag(digest, suffix)
+        known = self.options.known_manifests.get(tag)
+        found = known[2] if known else self.source.head_manifest(self.source_repository, tag)
+        if found is None:
+            return
+        self.manifest(found, tag, image=False)
+        with self.stats._lock:
+            self.stats.signature_tags.append(tag)
 
-    def referrers_of(self, digest: str) -> None:
+    def signatures(self, done: Iterable[str] = ()) -> None:
+        """The signatures and referrers of every manifest of the image but those `done`."""
+        for digest in dict.fromkeys(self._tree):
+            if digest in done:
+                continue
+            for suffix in COSIGN_SUFFIXES:
+                self.signature(digest, suffix)
+            self.copy_referrers(digest, self.find_referrers(digest))
+
+    def find_referrers(self, digest: str) -> list[dict]:
         descriptors = self.source.referrers(self.source_repository, digest)
         if descriptors is None:  # no Referrers API: the fallback tag's index lists them
             fallback = self.source.find_manifest(self.source_repository, cosign_tag(digest))
             descriptors = list(json.loads(fallback[0]).get("manifests") or []) if fallback else []
+        return descriptors
+
+    def copy_referrers(self, digest: str, descriptors: list[dict]) -> None:
         if not descriptors:
             return
         for descriptor in descriptors:
-            self.manifest(descriptor["digest"])
+            self.manifest(descriptor["digest"], image=False)
             self.stats.referrers.append(descriptor["digest"])
         if self.target.referrers(self.target_repository, digest) is not None:
             return  # the target indexes referrers itself from their `subject`
@@ -477,12 +518,39 @@ def copy_image(source: Registry, source_repository: str, reference: str, target:
         digest = found
     copier = _Copier(source, source_repository, target, target_repository, options, stats)
     try:
-        raw, media_type = copier.manifest(digest)
-        if options.signatures:
-            copier.signatures()
-        for tag in tags:
-            target.put_manifest(target_repository, tag, raw, media_type)
-            stats.add(tags_put=1)
+        with ExitStack() as stack:
+            if options.concurrency > 1:
+                copier.blob_pool = stack.enter_context(
+                    ThreadPoolExecutor(max_workers=options.concurrency, thread_name_prefix="imagebuild-blob"))
+            raw, media_type = _copy(copier, digest, tags)
     finally:
         copier.locations.save()
-    return CopyResult(digest, media_type, stats)
+    return CopyResult(digest, media_type, stats, raw)
+
+
+def _copy(copier: _Copier, digest: str, tags: Iterable[str]) -> tuple[bytes, str]:
+    if copier.options.signatures:
+        raw, media_type = _image_and_its_signatures(copier, digest)
+        copier.signatures(done=(digest,))  # an index's children, one by one
+    else:
+        raw, media_type = copier.manifest(digest)
+    for tag in tags:
+        copier.target.put_manifest(copier.target_repository, tag, raw, media_type)
+        copier.stats.add(tags_put=1)
+    return raw, media_type
+
+
+def _image_and_its_signatures(copier: _Copier, digest: str) -> tuple[bytes, str]:
+    """The image and its own signature, attestation and SBOM tags reach nothing of each other: copy
+    them at once (round trips, not bandwidth, bound a promote). Referrers name the image as their
+    subject, so they follow it; only finding them overlaps."""
+    with ThreadPoolExecutor(max_workers=len(COSIGN_SUFFIXES) + 2, thread_name_prefix="imagebuild-copy") as pool:
+        image = pool.submit(copier.manifest, digest)
+        signatures: list[Future[None]] = [pool.submit(copier.signature, digest, suffix)
+                                          for suffix in COSIGN_SUFFIXES]
+        referrers = pool.submit(copier.find_referrers, digest)
+        raw, media_type = image.result()
+        for done in signatures:
+            done.result()
+        copier.copy_referrers(digest, referrers.result())
+    return raw, media_type

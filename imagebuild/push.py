@@ -2,14 +2,15 @@
 
 One image moves in this order, so that no release tag ever names something unaudited:
 
-1. Verify the signature (and the attestations the trust config requires) in the SOURCE: a build
-   report can say "signed" and be wrong, and an unsigned image must not travel.
-2. Ask the target what each release tag names now (push_plan.decide_tags): a tag naming
-   another digest is refused (release tags are immutable) unless --force with a reason.
-3. Copy by digest (oci_copy, signatures included): blobs the target lacks, the manifest, then
-   cosign's sha256-<hex>.sig/.att tags. No release tag is written yet.
-4. Audit in the TARGET: the digest is there, the signature verifies with the configured keys,
-   and every attestation that verified in the source verifies there too.
+1. Verify the signature and the attestations in the SOURCE: a build report can say "signed" and
+   be wrong, and an unsigned image must not travel. At the same time, read what the target's
+   tags (release, signature, attestation) name now.
+2. Decide the release tags (push_plan.decide_tags): a tag naming another digest is refused
+   (release tags are immutable) unless --force with a reason.
+3. Copy by digest (oci_copy): the blobs the target lacks, the manifest, and cosign's
+   sha256-<hex>.sig/.att tags as the very bytes verified in step 1. No release tag yet.
+4. Audit in the TARGET, a full verification there: the digest is there, the signature verifies
+   with the configured keys, and every attestation that verified in the source verifies too.
 5. Only then write the release tags; a moved tag is appended to WORKDIR/audit.jsonl first.
 
 An interrupted run leaves at most an untagged, unaudited copy (and its signature tags); a rerun
@@ -20,9 +21,11 @@ from the command line; nothing here prints or records them.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,17 +36,7 @@ from .registry import ImageRef, Registry, RegistryAuthError, RegistryError, Regi
 from .report import PushStage, SignStage, StageStatus, VariantRecord, record_stage
 from .sign import require_signed
 from .trust import TrustConfig
-from .verify import (
-    DSSE_MEDIA_TYPE,
-    MAX_ATTESTATION_BLOB_BYTES,
-    Refused,
-    Verifier,
-    check_blob,
-    kind_name,
-    open_envelope,
-    parse_image,
-    signature_tag,
-)
+from .verify import Evidence, Verifier, parse_image, signature_tag
 
 AUDIT_LOG = "audit.jsonl"
 Event = Callable[[str], None]
@@ -159,104 +152,93 @@ class Promoter:
         source_image = f"{ref.registry}/{ref.repository}@{digest}"
 
         self.on_event(f"verifying {source_image} in the source")
-        verdict = self.verifier.verify(source_image)
-        if verdict.unreachable:
-            raise RegistryUnreachable(verdict.reason, registry=ref.registry, repository=ref.repository,
-                                      operation="verify")
-        if not verdict.allowed:
-            outcome.reason = f"the source does not verify: {verdict.reason}"
-            return outcome
-        source_kinds = self.verified_attestations(source_registry, ref.repository, digest)
-        unattested = sorted(set(expected_attestations) - set(source_kinds))
-        if unattested:
-            outcome.reason = (f"the source lacks verifying attestations the build report records: "
-                              f"{', '.join(unattested)}")
-            return outcome
+        # The source's verification and what the target's tags name now are independent reads: at once.
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="imagebuild-promote") as pool:
+            examined = pool.submit(self.verifier.examine, source_image)
+            held = {tag: pool.submit(target.head_manifest, target_path, tag) for tag in dict.fromkeys(tags)}
+            verdict, evidence = examined.result()
+            if verdict.unreachable:
+                raise RegistryUnreachable(verdict.reason, registry=ref.registry, repository=ref.repository,
+                                          operation="verify")
+            if not verdict.allowed:
+                outcome.reason = f"the source does not verify: {verdict.reason}"
+                return outcome
+            unattested = sorted(set(expected_attestations) - set(evidence.attestation_kinds))
+            if unattested:
+                outcome.reason = (f"the source lacks verifying attestations the build report records: "
+                                  f"{', '.join(unattested)}")
+                return outcome
+            current = {reference: future.result() for reference, future in held.items()}
 
-        current = {tag: target.head_manifest(target_path, tag) for tag in dict.fromkeys(tags)}
-        outcome.decisions = plan.decide_tags(digest, current, self.force)
+        outcome.decisions = plan.decide_tags(digest, {tag: current[tag] for tag in dict.fromkeys(tags)}, self.force)
         refused = plan.refusals(outcome.decisions, target_repository)
         if refused:
             outcome.reason = "; ".join(refused)
             return outcome
 
-        if self.already_there(source_registry, ref.repository, target, target_path, digest, outcome.decisions):
+        manifest: tuple[bytes, str] | None = None
+        if all(d.action is plan.TagAction.PRESENT for d in outcome.decisions):  # a rerun, most likely
+            current.update(self.held(target, target_path, [digest, *(signature_tag(digest, s) for s in (".sig", ".att"))]))
+        if already_there(digest, outcome.decisions, current, evidence):
             outcome.stats, changed = CopyStats(), False
         else:
             self.on_event(f"copying {digest} to {target_repository}")
-            outcome.stats = copy_image(source_registry, ref.repository, digest, target, target_path, (),
-                                       self.copy_options).stats
-            changed = True
+            # The signature and attestations go as verified: the bytes just read, not a second read.
+            options = replace(self.copy_options, known_manifests=evidence.manifests, known_blobs=evidence.blobs)
+            copied = copy_image(source_registry, ref.repository, digest, target, target_path, (), options)
+            outcome.stats, manifest, changed = copied.stats, (copied.manifest, copied.media_type), True
 
         self.on_event(f"auditing {target_repository}@{digest}")
-        expected = set(source_kinds) | set(self.config.require.attestations)
-        outcome.audit = self.audit(target, target_path, digest, expected)
+        expected = set(evidence.attestation_kinds) | set(self.config.require.attestations)
+        outcome.audit = self.audit(target, target_path, digest, expected, evidence)
         if not outcome.audit.passed:
             outcome.action = "failed"
             outcome.reason = "the audit in the target failed: " + "; ".join(outcome.audit.problems)
             return outcome
 
-        written, moved = self.write_tags(target, target_path, target_repository, source_image, outcome.decisions)
+        written, moved = self.write_tags(target, target_path, target_repository, source_image, outcome.decisions,
+                                         manifest)
         outcome.tags_written, outcome.tags_moved = written, moved
         outcome.action = "pushed" if changed or written else "unchanged"
         return outcome
 
-    def already_there(self, source: Registry, source_path: str, target: Registry, target_path: str, digest: str,
-                      decisions: list[plan.TagDecision]) -> bool:
-        """A rerun: every tag names the digest and the target's signature tags are the source's."""
-        if any(d.action is not plan.TagAction.PRESENT for d in decisions):
-            return False
-        if target.head_manifest(target_path, digest) != digest:
-            return False
-        return all(source.head_manifest(source_path, signature_tag(digest, suffix))
-                   == target.head_manifest(target_path, signature_tag(digest, suffix)) for suffix in (".sig", ".att"))
+    @staticmethod
+    def held(target: Registry, path: str, references: list[str]) -> dict[str, str | None]:
+        """What each reference names in the target now (HEADs at once)."""
+        with ThreadPoolExecutor(max_workers=len(references), thread_name_prefix="imagebuild-promote") as pool:
+            return dict(zip(references, pool.map(lambda reference: target.head_manifest(path, reference), references)))
 
-    def verified_attestations(self, registry: Registry, repository: str, digest: str) -> tuple[str, ...]:
-        """The kinds (sbom, vuln, smoke, gate, or a predicate type) whose attestation verifies with the keys."""
-        found = registry.find_manifest(repository, signature_tag(digest, ".att"))
-        if found is None:
-            return ()
-        try:
-            layers = json.loads(found[0]).get("layers") or []
-        except (ValueError, AttributeError, RecursionError):
-            return ()
-        kinds = set()
-        for layer in layers:
-            if not isinstance(layer, dict) or layer.get("mediaType") != DSSE_MEDIA_TYPE:
-                continue
-            try:
-                blob = registry.get_blob_limited(repository, str(layer.get("digest")), MAX_ATTESTATION_BLOB_BYTES)
-                check_blob(layer, blob)
-                kinds.add(kind_name(open_envelope(blob, self.verifier.keys, digest).predicate_type))
-            except (Refused, ValueError):
-                continue  # a stranger's or a broken attestation does not count
-            except RegistryError as exc:
-                if isinstance(exc, RegistryUnreachable):
-                    raise
-                continue
-        return tuple(sorted(kinds))
-
-    def audit(self, target: Registry, target_path: str, digest: str, expected: set[str]) -> plan.AuditResult:
-        """The checks in the target, after the copy and before any tag."""
-        there = target.head_manifest(target_path, digest)
-        verdict = self.verifier.verify(f"{target.registry}/{target_path}@{digest}")
+    def audit(self, target: Registry, target_path: str, digest: str, expected: set[str],
+              source: Evidence | None = None) -> plan.AuditResult:
+        """The checks in the target, after the copy and before any tag: a verification there, of the
+        manifests the target serves now. The blobs verified in the source (`source`) are not
+        downloaded again: the target must hold each by digest and size, which is holding those bytes."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="imagebuild-audit") as pool:
+            there = pool.submit(target.head_manifest, target_path, digest)
+            verdict, evidence = self.verifier.examine(f"{target.registry}/{target_path}@{digest}", source)
+            digest_there = there.result()
         if verdict.unreachable:
             raise RegistryUnreachable(verdict.reason, registry=target.registry, repository=target_path,
                                       operation="audit")
-        kinds = self.verified_attestations(target, target_path, digest) if verdict.allowed else ()
-        facts = plan.AuditFacts(digest=there, signature_verified=verdict.allowed, signature_reason=verdict.reason,
-                                key=verdict.key, attestations=kinds)
+        kinds = evidence.attestation_kinds if verdict.allowed else ()
+        facts = plan.AuditFacts(digest=digest_there, signature_verified=verdict.allowed,
+                                signature_reason=verdict.reason, key=verdict.key, attestations=kinds)
         return plan.judge_audit(digest, expected, facts, _now())
 
     def write_tags(self, target: Registry, target_path: str, target_repository: str, source_image: str,
-                   decisions: list[plan.TagDecision]) -> tuple[list[str], list[dict[str, Any]]]:
-        """Write the release tags; each is read again just before, so a tag moved meanwhile is not overwritten."""
+                   decisions: list[plan.TagDecision],
+                   manifest: tuple[bytes, str] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+        """Write the release tags; each is read again just before, so a tag moved meanwhile is not
+        overwritten. `manifest`: the bytes and media type just copied (else they are read from the target)."""
         written: list[str] = []
         moved: list[dict[str, Any]] = []
         pending = [d for d in decisions if d.action is not plan.TagAction.PRESENT]
         if not pending:
             return written, moved
-        raw, media_type, _ = target.get_manifest(target_path, pending[0].wanted)
+        if manifest is not None and "sha256:" + hashlib.sha256(manifest[0]).hexdigest() == pending[0].wanted:
+            raw, media_type = manifest
+        else:
+            raw, media_type, _ = target.get_manifest(target_path, pending[0].wanted)
         for decision in pending:
             now = target.head_manifest(target_path, decision.tag)
             if now == decision.wanted:
@@ -283,6 +265,20 @@ class Promoter:
             handle.write(json.dumps(entry, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def already_there(digest: str, decisions: list[plan.TagDecision], held: Mapping[str, str | None],
+                  evidence: Evidence) -> bool:
+    """A rerun: every tag names the digest, and the target holds the image and, as its signature and
+    attestation tags, the very manifests verified in the source (`held`: what the target's tags name)."""
+    if any(d.action is not plan.TagAction.PRESENT for d in decisions) or held.get(digest) != digest:
+        return False
+    for suffix in (".sig", ".att"):
+        tag = signature_tag(digest, suffix)
+        verified = evidence.manifests.get(tag)
+        if held.get(tag) != (verified[2] if verified else None):
+            return False
+    return True
 
 
 # --- push: the build report's variants --------------------------------------------------------------

@@ -154,6 +154,7 @@ class Registry:
                                       retry or RetryPolicy(), self.retry_log)
         self.client = httpx.Client(base_url=self.url, auth=self.auth, timeout=timeout, transport=transport,
                                    event_hooks=event_hooks)
+        self._no_referrers_api = False  # learnt from the first answer
 
     def _docker_credentials(self, path: Path | None) -> Callable[[], Credentials]:
         def lookup() -> Credentials:
@@ -294,13 +295,18 @@ class Registry:
 
     def referrers(self, repository: str, digest: str) -> list[dict] | None:
         """The OCI 1.1 Referrers API's descriptors for `digest`, or None when the registry does not serve it."""
+        if self._no_referrers_api:
+            return None
         response = self._request("GET", f"/v2/{repository}/referrers/{digest}",
                                  headers={"Accept": OCI_INDEX}, repository=repository, operation="GET referrers")
         content_type = response.headers.get("content-type", "").split(";")[0].strip()
         if response.status_code == 200 and content_type == OCI_INDEX:
             return list(response.json().get("manifests") or [])
         if response.status_code in (404, 405, 400) or response.status_code == 200:
-            return None  # no such route (distribution 2.x answers 404): use the fallback tag schema
+            # No such route (distribution 2.x answers a plain-text 404): the fallback tag schema,
+            # from now on without asking. A JSON error is about this repository, not the route.
+            self._no_referrers_api = content_type != "application/json"
+            return None
         raise self._fail(response, "GET referrers", repository, digest)
 
     # --- blobs ----------------------------------------------------------------------------

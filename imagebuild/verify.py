@@ -26,10 +26,12 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import field as dataclass_field
+from functools import partial
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -66,6 +68,7 @@ MAX_MANIFEST_BYTES = 4 << 20
 MAX_SIGNATURE_BLOB_BYTES = 1 << 20
 MAX_ATTESTATION_BLOB_BYTES = 64 << 20
 MAX_LAYERS = 256
+READ_CONCURRENCY = 8  # reads in flight for one verification (and across a webhook's)
 
 
 class Refused(Exception):
@@ -406,6 +409,104 @@ class Inspection:
     unreachable: bool = False
 
 
+@dataclass
+class Evidence:
+    """What one verification read, every byte checked against its digest: the signature and
+    attestation manifests by tag, their blobs by digest, and the kinds of the attestations that
+    verified. Push copies these very bytes, so the target receives exactly what was verified."""
+
+    manifests: dict[str, tuple[bytes, str, str]] = dataclass_field(default_factory=dict)  # tag -> (raw, media type, digest)
+    blobs: dict[str, bytes] = dataclass_field(default_factory=dict)  # digest -> content
+    attestation_kinds: tuple[str, ...] = ()
+
+
+_Fetched = tuple[bytes, str, str] | None | RegistryError
+_Checked = TypeVar("_Checked", "Key", "Attestation")
+
+
+class _Reads:
+    """One verification's registry reads. The signature and attestation manifests, then every blob
+    they name, are fetched concurrently up front: two round trips instead of one per blob (a
+    release image carries six attestations). The checks then run in order over what was read; a
+    failed read is kept and raised where the check reaches it, as if it had been read then."""
+
+    def __init__(self, registry: Registry, repository: str, pool: ThreadPoolExecutor | None,
+                 known_blobs: Mapping[str, bytes] | None = None):
+        self.registry, self.repository, self.pool = registry, repository, pool
+        self.known_blobs = known_blobs or {}
+        self._manifests: dict[str, _Fetched] = {}
+        self._blobs: dict[str, bytes | RegistryError] = {}
+
+    def prefetch(self, tags_and_limits: Mapping[str, int]) -> None:
+        """Read the manifests of `tags` and the blobs of their signature or DSSE layers (within each tag's limit)."""
+        if self.pool is None:
+            return
+        tags = list(tags_and_limits)
+        for tag, found in zip(tags, self.pool.map(self._fetch_manifest, tags)):
+            self._manifests[tag] = found
+        wanted = {d: limit for tag in tags for d, limit in self._blob_candidates(tag, tags_and_limits[tag])}
+        for digest, blob in zip(wanted, self.pool.map(lambda d: self._fetch_blob(d, wanted[d]), wanted)):
+            self._blobs[digest] = blob
+
+    def _blob_candidates(self, tag: str, limit: int) -> list[tuple[str, int]]:
+        found = self._manifests.get(tag)
+        if not isinstance(found, tuple) or len(found[0]) > MAX_MANIFEST_BYTES:
+            return []
+        try:
+            layers = json.loads(found[0]).get("layers") or []
+        except (ValueError, AttributeError, RecursionError):
+            return []
+        if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
+            return []
+        return [(layer["digest"], limit) for layer in layers
+                if isinstance(layer, dict) and isinstance(layer.get("digest"), str) and _DIGEST.fullmatch(layer["digest"])
+                and isinstance(layer.get("size"), int) and layer["size"] <= limit
+                and (layer.get("mediaType") == DSSE_MEDIA_TYPE
+                     or SIGNATURE_ANNOTATION in (layer.get("annotations") or {}))]
+
+    def _fetch_manifest(self, tag: str) -> _Fetched:
+        try:
+            return self.registry.find_manifest(self.repository, tag)
+        except RegistryError as exc:
+            return exc
+
+    def _fetch_blob(self, digest: str, limit: int) -> bytes | RegistryError:
+        try:
+            known = self.known_blobs.get(digest)
+            if known is not None and "sha256:" + hashlib.sha256(known).hexdigest() == digest:
+                # Bytes with this digest are in hand (read and checked moments ago elsewhere): the
+                # registry need only say it holds a blob of that digest and size.
+                size = self.registry.blob_size(self.repository, digest)
+                if size == len(known):
+                    return known
+                raise RegistryError(f"{self.registry.registry}/{self.repository}@{digest}: blob "
+                                    f"{'missing' if size is None else f'of {size} bytes, not {len(known)}'}",
+                                    registry=self.registry.registry, repository=self.repository,
+                                    operation="HEAD blob", status=404 if size is None else None)
+            return self.registry.get_blob_limited(self.repository, digest, limit)
+        except RegistryError as exc:
+            return exc
+
+    def manifest(self, tag: str) -> tuple[bytes, str, str] | None:
+        found = self._manifests[tag] if tag in self._manifests else self._fetch_manifest(tag)
+        self._manifests[tag] = found
+        if isinstance(found, RegistryError):
+            raise found
+        return found
+
+    def blob(self, digest: str, limit: int) -> bytes:
+        blob = self._blobs.get(digest)
+        if blob is None:
+            blob = self._blobs[digest] = self._fetch_blob(digest, limit)
+        if isinstance(blob, RegistryError):
+            raise blob
+        return blob
+
+    def evidence(self, checked_blobs: Mapping[str, bytes], kinds: Iterable[str]) -> Evidence:
+        manifests = {tag: found for tag, found in self._manifests.items() if isinstance(found, tuple)}
+        return Evidence(manifests, dict(checked_blobs), tuple(sorted(kinds)))
+
+
 class Verifier:
     """Verifies images against one TrustConfig. Thread-safe: the webhook calls it from many threads.
 
@@ -425,12 +526,26 @@ class Verifier:
         self._registries: dict[str, Registry] = {}
         self._cache: dict[tuple[str, str], tuple[float, ImageVerdict]] = {}
         self._in_flight: dict[tuple[str, str], Future[ImageVerdict]] = {}
+        self._pool: ThreadPoolExecutor | None = None  # the concurrent reads of each verification
+        # Checks already made over given bytes, by content digest: the same signature or envelope
+        # (push reads it in the source, then again in the target; the webhook sees one image in many
+        # repositories) is read and its digest checked every time, but parsed and verified once.
+        self._checked: dict[tuple[str, ...], Key | Attestation | Refused] = {}
 
     def close(self) -> None:
         with self._lock:
             registries, self._registries = list(self._registries.values()), {}
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for registry in registries:
             registry.close()
+
+    def _reads(self, registry: Registry, repository: str, known_blobs: Mapping[str, bytes] | None = None) -> _Reads:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=READ_CONCURRENCY, thread_name_prefix="imagebuild-verify")
+            return _Reads(registry, repository, self._pool, known_blobs)
 
     def __enter__(self) -> Verifier:
         return self
@@ -469,6 +584,21 @@ class Verifier:
             return ImageVerdict(image, None, False, f"{reason} in {repository}")
         return replace(self._verdict_for(registry, ref.repository, digest), image=image)
 
+    def examine(self, image_by_digest: str, known: Evidence | None = None) -> tuple[ImageVerdict, Evidence]:
+        """Verify `registry/repository@digest` now (no cache), and keep what was read: push verifies a
+        source, copies exactly the verified signature and attestations, then audits the target.
+        Attestations are read and verified even when the trust config requires none.
+
+        `known`: an earlier examination's evidence (push: the source's). Its blobs are not read
+        again: a HEAD must show this registry holds each, by digest and size. Manifests are read."""
+        ref = parse_image(image_by_digest)
+        if ref.digest is None:
+            raise ValueError(f"{image_by_digest}: examine needs a digest reference")
+        evidence = Evidence()
+        verdict = self._verify_digest(self._registry(ref.registry), ref.repository, ref.digest, evidence,
+                                      known.blobs if known else None)
+        return replace(verdict, image=image_by_digest), evidence
+
     def inspect(self, image: str) -> Inspection:
         """The image's verified signature and attestations (not cached, no requirements applied):
         what a reader of the release record may believe, and what was rejected."""
@@ -486,8 +616,10 @@ class Verifier:
             digest = digest or self._resolve(registry, ref)
             if not digest or not _DIGEST.fullmatch(digest):
                 return Inspection(image, None, None, f"tag {ref.reference} not found in {repository}", {})
-            key = self._check_signature(registry, ref.repository, digest)
-            attestations, rejected = self._attestations(registry, ref.repository, digest)
+            reads = self._reads(registry, ref.repository)
+            reads.prefetch(self._prefetched(digest, attestations=True))
+            key = self._check_signature(reads, digest, {})
+            attestations, rejected = self._attestations(reads, digest, {})
             return Inspection(image, digest, key.name, None, attestations, tuple(dict.fromkeys(rejected)))
         except Refused as refused:
             return Inspection(image, digest, None, refused.reason, {})
@@ -541,22 +673,39 @@ class Verifier:
                         self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
                     self._cache[cache_key] = (now + self.ttl, verdict)
 
-    def _verify_digest(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
+    @staticmethod
+    def _prefetched(digest: str, attestations: bool) -> dict[str, int]:
+        tags = {signature_tag(digest, ".sig"): MAX_SIGNATURE_BLOB_BYTES}
+        if attestations:
+            tags[signature_tag(digest, ".att")] = MAX_ATTESTATION_BLOB_BYTES
+        return tags
+
+    def _verify_digest(self, registry: Registry, repository: str, digest: str,
+                       evidence: Evidence | None = None, known_blobs: Mapping[str, bytes] | None = None) -> ImageVerdict:
+        """The verdict; with `evidence`, the attestations are verified whatever the requirements, and
+        what was read and checked is kept in it."""
         image = f"{registry.registry}/{repository}@{digest}"
         key: Key | None = None
+        read_attestations = self.check_attestations or evidence is not None
+        reads = self._reads(registry, repository, known_blobs)
+        checked: dict[str, bytes] = {}
         try:
-            key = self._check_signature(registry, repository, digest)
+            reads.prefetch(self._prefetched(digest, read_attestations))
+            key = self._check_signature(reads, digest, checked)
             summary = f"signed by {key.name}"
-            if self.check_attestations:
-                attestations, rejected = self._attestations(registry, repository, digest)
-                failures = requirement_failures(self.config.require, attestations, digest,
-                                                dt.datetime.now(dt.timezone.utc).date())
-                if failures:
-                    if rejected:
-                        failures.append(f"rejected: {'; '.join(dict.fromkeys(rejected))}")
-                    raise Refused("; ".join(failures))
-                kinds = [kind_name(t) for t in attestations]
-                summary += f"; {len(kinds)} attestations ({', '.join(kinds)})"
+            if read_attestations:
+                attestations, rejected = self._attestations(reads, digest, checked)
+                if evidence is not None:
+                    evidence.attestation_kinds = tuple(sorted(kind_name(t) for t in attestations))
+                if self.check_attestations:
+                    failures = requirement_failures(self.config.require, attestations, digest,
+                                                    dt.datetime.now(dt.timezone.utc).date())
+                    if failures:
+                        if rejected:
+                            failures.append(f"rejected: {'; '.join(dict.fromkeys(rejected))}")
+                        raise Refused("; ".join(failures))
+                    kinds = [kind_name(t) for t in attestations]
+                    summary += f"; {len(kinds)} attestations ({', '.join(kinds)})"
             return ImageVerdict(image, digest, True, summary, key=key.name)
         except Refused as refused:
             return ImageVerdict(image, digest, False, refused.reason, key=key.name if key else refused.key)
@@ -564,9 +713,13 @@ class Verifier:
             return ImageVerdict(image, digest, False, f"registry unreachable: {exc}", unreachable=True)
         except RegistryError as exc:
             return ImageVerdict(image, digest, False, f"registry: {exc}")
+        finally:
+            if evidence is not None:
+                found = reads.evidence(checked, evidence.attestation_kinds)
+                evidence.manifests, evidence.blobs = found.manifests, found.blobs
 
-    def _layers(self, registry: Registry, repository: str, tag: str) -> list[dict[str, Any]] | None:
-        found = registry.find_manifest(repository, tag)
+    def _layers(self, reads: _Reads, tag: str) -> list[dict[str, Any]] | None:
+        found = reads.manifest(tag)
         if found is None:
             return None
         raw = found[0]
@@ -582,19 +735,48 @@ class Verifier:
             raise Refused(f"{tag} has {len(layers)} layers, over {MAX_LAYERS}")
         return layers
 
-    def _blob(self, registry: Registry, repository: str, descriptor: Mapping[str, Any], limit: int) -> bytes:
+    @staticmethod
+    def _blob(reads: _Reads, descriptor: Mapping[str, Any], limit: int, checked: dict[str, bytes]) -> bytes:
         digest, size = descriptor.get("digest"), descriptor.get("size")
         if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             raise Refused(f"a layer descriptor names '{str(digest)[:80]}', not a sha256 digest")
         if isinstance(size, int) and size > limit:
             raise Refused(f"blob {digest} is {size} bytes, over {limit}")
-        blob = registry.get_blob_limited(repository, digest, limit)
+        blob = reads.blob(digest, limit)
         check_blob(descriptor, blob)
+        checked[digest] = blob
         return blob
 
-    def _check_signature(self, registry: Registry, repository: str, digest: str) -> Key:
+    def _signature_key(self, annotation: object, payload: bytes, digest: str) -> Key:
+        key = key_that_signed(self.keys, decode_base64(annotation), payload)
+        if key is None:
+            raise Refused("the signature does not verify with any configured key "
+                          f"({', '.join(k.name for k in self.keys)})")
+        check_simple_signing(payload, digest)
+        return key
+
+    def _once(self, identity: tuple[str, ...], check: Callable[[], _Checked], kind: type[_Checked]) -> _Checked:
+        """`check()`'s outcome (a value, or Refused raised), made once per identity: content digests
+        and the image digest, all the check depends on besides this verifier's keys."""
+        done = self._checked.get(identity)
+        if done is None:
+            try:
+                done = check()
+            except Refused as refused:
+                done = refused
+            if len(self._checked) >= 4096:
+                self._checked.clear()
+            self._checked[identity] = done
+        if isinstance(done, Refused):
+            raise Refused(done.reason, done.key)
+        if not isinstance(done, kind):
+            raise TypeError(f"{identity[0]} check gave {type(done).__name__}")
+        return done
+
+    def _check_signature(self, reads: _Reads, digest: str, checked: dict[str, bytes]) -> Key:
+        registry, repository = reads.registry, reads.repository
         tag = signature_tag(digest, ".sig")
-        layers = self._layers(registry, repository, tag)
+        layers = self._layers(reads, tag)
         if layers is None:
             raise Refused(f"not signed: no signature {registry.registry}/{repository}:{tag}")
         failures: list[str] = []
@@ -603,14 +785,9 @@ class Verifier:
             if not annotation:
                 continue
             try:
-                signature = decode_base64(annotation)
-                payload = self._blob(registry, repository, layer, MAX_SIGNATURE_BLOB_BYTES)
-                key = key_that_signed(self.keys, signature, payload)
-                if key is None:
-                    raise Refused("the signature does not verify with any configured key "
-                                  f"({', '.join(k.name for k in self.keys)})")
-                check_simple_signing(payload, digest)
-                return key
+                payload = self._blob(reads, layer, MAX_SIGNATURE_BLOB_BYTES, checked)
+                return self._once(("sig", str(layer["digest"]), str(annotation), digest),
+                                  partial(self._signature_key, annotation, payload, digest), Key)
             except (Refused, ValueError) as exc:
                 failures.append(exc.reason if isinstance(exc, Refused) else f"signature annotation: {exc}")
         if not failures:
@@ -620,19 +797,20 @@ class Verifier:
         more = f" (and {len(failures) - 1} other signatures refused)" if len(failures) > 1 else ""
         raise Refused(failures[0] + more)
 
-    def _attestations(self, registry: Registry, repository: str,
-                      digest: str) -> tuple[dict[str, Attestation], list[str]]:
+    def _attestations(self, reads: _Reads, digest: str,
+                      checked: dict[str, bytes]) -> tuple[dict[str, Attestation], list[str]]:
         """The verified attestations by predicate type (a later layer, attested later, replaces an
         earlier one of its type), and why the others were rejected."""
-        layers = self._layers(registry, repository, signature_tag(digest, ".att")) or []
+        layers = self._layers(reads, signature_tag(digest, ".att")) or []
         found: dict[str, Attestation] = {}
         rejected: list[str] = []
         for layer in layers:
             if layer.get("mediaType") != DSSE_MEDIA_TYPE:
                 continue
             try:
-                blob = self._blob(registry, repository, layer, MAX_ATTESTATION_BLOB_BYTES)
-                attestation = open_envelope(blob, self.keys, digest)
+                blob = self._blob(reads, layer, MAX_ATTESTATION_BLOB_BYTES, checked)
+                attestation = self._once(("att", str(layer["digest"]), digest),
+                                         partial(open_envelope, blob, self.keys, digest), Attestation)
             except Refused as refused:
                 rejected.append(refused.reason)
                 continue
