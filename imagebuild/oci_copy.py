@@ -1,13 +1,16 @@
 """Copying an image by digest within or across registries, signatures and attestations included.
 
 Only what the target lacks moves: a manifest the target already has by digest is skipped
-whole (a registry accepts a manifest only once its blobs and children are there), each blob
-is HEADed first, and on one registry a blob is mounted from the source repository instead of
-uploaded. Other blobs stream from the source straight into PATCH windows (nothing held but a
-few reads), and the digest of what was streamed is checked before the upload is committed; an
-interrupted window asks the registry how much it holds and continues from there, and a source
-stream that breaks off is reopened where it stopped (a Range request). Manifests go last, children before their index, and tags after every
-manifest they reach (signatures included), so no tag ever names something incomplete.
+whole (a registry accepts a manifest only once its blobs and children are there). Across
+registries each blob is HEADed first, then mounted from another repository of the target where
+earlier copies saw it, else uploaded; on one registry a mount from the source repository stands
+in for the HEAD (it answers "there" either way, and no byte moves). Uploads stream from the
+source straight into PATCH windows (nothing held but a few reads), and the digest of what was
+streamed is checked before the upload is committed; an interrupted window asks the registry how
+much it holds and continues from there, and a source stream that breaks off is reopened where it
+stopped (a Range request). The image and its own signature and attestation tags are copied at
+once, their blobs through one pool. Manifests go after their blobs, children before their index,
+and tags after every manifest they reach, so no tag ever names something incomplete.
 """
 from __future__ import annotations
 

@@ -152,9 +152,11 @@ class Promoter:
         source_image = f"{ref.registry}/{ref.repository}@{digest}"
 
         self.on_event(f"verifying {source_image} in the source")
-        # The source's verification and what the target's tags name now are independent reads: at once.
+        # The source's verification, its manifest (the copy needs it) and what the target's tags
+        # name now are independent reads: at once.
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="imagebuild-promote") as pool:
             examined = pool.submit(self.verifier.examine, source_image)
+            image_manifest = pool.submit(source_registry.find_manifest, ref.repository, digest)
             held = {tag: pool.submit(target.head_manifest, target_path, tag) for tag in dict.fromkeys(tags)}
             verdict, evidence = examined.result()
             if verdict.unreachable:
@@ -169,6 +171,7 @@ class Promoter:
                                   f"{', '.join(unattested)}")
                 return outcome
             current = {reference: future.result() for reference, future in held.items()}
+            found = image_manifest.result()
 
         outcome.decisions = plan.decide_tags(digest, {tag: current[tag] for tag in dict.fromkeys(tags)}, self.force)
         refused = plan.refusals(outcome.decisions, target_repository)
@@ -184,7 +187,8 @@ class Promoter:
         else:
             self.on_event(f"copying {digest} to {target_repository}")
             # The signature and attestations go as verified: the bytes just read, not a second read.
-            options = replace(self.copy_options, known_manifests=evidence.manifests, known_blobs=evidence.blobs)
+            known = {**evidence.manifests, **({digest: found} if found else {})}
+            options = replace(self.copy_options, known_manifests=known, known_blobs=evidence.blobs)
             copied = copy_image(source_registry, ref.repository, digest, target, target_path, (), options)
             outcome.stats, manifest, changed = copied.stats, (copied.manifest, copied.media_type), True
 
