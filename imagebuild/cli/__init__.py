@@ -10,10 +10,26 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import click
+
+
+def _skip_httpx_command_line() -> None:
+    """Keep `import httpx` from importing httpx's own command line (httpx._main), unused here.
+
+    httpx's __init__ imports it whenever its extras (rich, pygments) are installed, as they are
+    with imagebuild: some 50-70 ms on every start of a command that talks to a registry. A None
+    in sys.modules makes that import raise ImportError, which httpx handles (its `main` becomes
+    a stub saying the CLI is not installed). tests/test_cli_startup.py notices when this stops working.
+    """
+    if "httpx" not in sys.modules:
+        sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
+
+_skip_httpx_command_line()
 
 PIPELINE_ORDER = (
     "validate", "support", "plan", "render", "build", "test", "scan", "gate", "sign", "verify", "inspect", "push",
