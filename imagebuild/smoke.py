@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .report import VariantRecord
 from .source import InputError
 
-if TYPE_CHECKING:  # push and sign check require_smoke_passed; they need neither the matrix nor jinja2's plan
+if TYPE_CHECKING:  # release files (rollout) and sign read this module; they need neither the matrix nor the plan (jinja2)
     from .matrix import Combination, Matrix
     from .plan import Plan, Variant
 
