@@ -43,6 +43,7 @@ class Bench:
 
 BENCHES = (
     Bench("plan", "bench_plan.py", quick=("--runs", "3"), headline=r"^(variants|distinct layers|median):"),
+    Bench("cli_startup", "bench_cli_startup.py", quick=("--runs", "3"), headline=r" median "),
     Bench("registry_plan", "bench_registry_plan.py", quick=("--runs", "2"), headline=r"median|^variants"),
     Bench("report", "bench_report.py", quick=("--variants", "100", "--updates", "20"), headline=r"median"),
     Bench("yaml_limits", "bench_yaml_limits.py", quick=("--runs", "1"), headline=r" s  peak "),

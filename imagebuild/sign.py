@@ -31,17 +31,14 @@ import datetime as dt
 import json
 import os
 import tempfile
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import attest, provenance
-from .gate import release_refusal
 from .registry import ImageRef, Registry, RegistryError, base_url
 from .report import BuildReport, GateStage, ScanStage, SignStage, SmokeStage, StageStatus, VariantRecord, record_stage
-from .smoke import require_smoke_passed
 from .source import InputError
 from .tools import Result, Runner, ToolMissing, cancel_requested, find_tool
 
@@ -269,6 +266,8 @@ def junit_tests(path: str | None) -> list[dict[str, str]]:
     """[{name, outcome}] from a smoke run's JUnit XML; empty when it is gone."""
     if not path:
         return []
+    import xml.etree.ElementTree as ET  # here: push, which checks require_signed, reads no XML
+
     try:
         root = ET.fromstring(Path(path).read_text(encoding="utf-8"))
     except (OSError, ET.ParseError):
@@ -392,6 +391,10 @@ def release_record(report: BuildReport, variant: VariantRecord, predicates: dict
 
 def refusal(variant: VariantRecord) -> str | None:
     """Why this variant may not be signed, or None: smoke and gate must have passed on its digest."""
+    # Imported here: push (promote's module) imports this module for require_signed only.
+    from .gate import release_refusal
+    from .smoke import require_smoke_passed
+
     if variant.status != "built" or not variant.digest or not variant.image:
         return f"{variant.id}: not built (status {variant.status})"
     return require_smoke_passed(variant) or release_refusal(variant.id, variant.digest, variant.stages)

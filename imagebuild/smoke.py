@@ -9,15 +9,16 @@ it needs nothing but the variant's record.
 """
 from __future__ import annotations
 
-import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .matrix import LAYER_KINDS, SMOKE_ALL, Combination, Matrix
-from .plan import Plan, Variant
 from .report import VariantRecord
 from .source import InputError
+
+if TYPE_CHECKING:  # release files (rollout) and sign read this module; they need neither the matrix nor the plan (jinja2)
+    from .matrix import Combination, Matrix
+    from .plan import Plan, Variant
 
 STAGE = "smoke"
 EXPECT_SCHEMA = "imagebuild.smoke-expect/v1"  # read by smoke_tests/imagebuild_smoke.py
@@ -126,6 +127,8 @@ class MatrixContext:
         found = self.find(variant_id)
         if found is None:
             return ()
+        from .matrix import LAYER_KINDS, SMOKE_ALL
+
         variant, combo = found
         kinds = {self.plan.layers[key].kind for key in variant.chain}
         keys = [SMOKE_ALL, *(k for k in LAYER_KINDS if k in kinds),
@@ -198,6 +201,8 @@ def first_line(text: str, limit: int = 400) -> str:
 
 def parse_junit(text: str) -> JunitSummary:
     """pytest's JUnit XML -> counts, failure messages and skip reasons, per test case."""
+    import xml.etree.ElementTree as ET
+
     root = ET.fromstring(text)
     summary = JunitSummary()
     for case in root.iter("testcase"):

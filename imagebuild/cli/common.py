@@ -8,16 +8,17 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 
-from .. import build as building
 from .. import selection
 from ..registry import RegistryError
 from ..source import InputError
 from ..tools import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -28,14 +29,27 @@ EXIT_TERMINATED = 143  # SIGTERM (a CI cancel): 128 + 15
 
 def _console(**kwargs: Any) -> Console:
     """Rich wraps at 80 columns when not on a terminal; CI logs read better unwrapped."""
+    from rich.console import Console
+
     console = Console(highlight=False, **kwargs)
     if not console.is_terminal:
         console.width = 200
     return console
 
 
-stdout = _console()
-stderr = _console(stderr=True)
+if TYPE_CHECKING:
+    stdout: Console
+    stderr: Console
+else:
+    def __getattr__(name: str) -> Console:
+        """`stdout` and `stderr`, made on first use: commands that print no table never import rich.
+
+        (Hidden from mypy, which sees the two names above and still flags any other.)
+        """
+        if name not in ("stdout", "stderr"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        console = globals()[name] = _console(stderr=name == "stderr")
+        return console
 
 
 _stage_report: dict[str, Path] = {}
@@ -138,6 +152,8 @@ revision_option = click.option(
 
 def _revision(revision: str | None) -> tuple[str, str]:
     """The checkout this runs in (like CI's), unless --revision / SOURCE_DATE_EPOCH say otherwise."""
+    from .. import build as building  # the docker SDK and jinja2: only for the commands that build
+
     commit, created = building.git_revision(Path.cwd())
     return (revision or commit), created
 

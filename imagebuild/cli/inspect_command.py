@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.tree import Tree
 
 from ..source import InputError
 from .common import (
@@ -16,9 +15,11 @@ from .common import (
     EXIT_FAILED,
     format_option,
     reports_input_errors,
-    stdout,
     trust_config_option,
 )
+
+if TYPE_CHECKING:
+    from rich.tree import Tree
 
 
 @click.command("inspect")
@@ -85,6 +86,8 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
             "release": release.predicate if release else None,
         }, indent=2))
     elif record is not None:
+        from .common import stdout  # rich: for the tree only, not for --format json
+
         stdout.print(record_tree(image, found.digest, found.key, record, verified=not problems))
     for problem in problems:
         click.echo(f"{image}: {'refused' if not found.unreachable else 'unreachable'}: {problem}", err=True)
@@ -96,6 +99,8 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
 
 def record_tree(image: str, digest: str | None, key: str | None, record: dict[str, Any], *, verified: bool) -> Tree:
     """The record for people: one branch per part, values as recorded."""
+    from rich.tree import Tree
+
     state = f"[green]verified[/] (signed by {key})" if verified else "[red]NOT verified[/]"
     tree = Tree(f"[bold]{image}[/]  {digest}  {state}")
     cell = record["matrix_cell"]

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 
 from .. import push_plan as plan
 from ..push import AUDIT_LOG, PromoteOutcome, Promoter, PushError, PushOutcome, PushRun, environmental
@@ -21,7 +20,6 @@ from .common import (
     only_option,
     report_at,
     reports_input_errors,
-    stdout,
     trust_config_option,
     workdir_option,
 )
@@ -171,6 +169,10 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
 
 
 def print_push(outcomes: list[PushOutcome]) -> None:
+    from rich.table import Table  # push's table only: promote prints lines and starts without rich
+
+    from .common import stdout
+
     table = Table(show_edge=False, pad_edge=False, box=None)
     for column in ("variant", "result", "digest", "tags", "uploaded", "reused", "audit / reason"):
         table.add_column(column, overflow="fold")
