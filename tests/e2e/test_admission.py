@@ -28,20 +28,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .conftest import REPO, STAGING, require_registry
+from .rollout_harness import free_port
 from .tools import KEYS, Cosign, KeyPair, crane, push_tiny_image
 
 OUTSIDE = "127.0.0.1:5001"  # a real registry the test policy does not cover
 PREFIX = f"{STAGING}/admission-e2e"
 
 
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-UNREACHABLE = f"127.0.0.1:{closed_port()}"
+UNREACHABLE = f"127.0.0.1:{free_port()}"
 
 
 # --- TLS: a CA of the test's own and a certificate for 127.0.0.1 ----------------------------------------------
@@ -209,7 +203,7 @@ def start_webhook(tls, tmp_path_factory):
     started: list[Webhook] = []
 
     def start(**config) -> Webhook:
-        port = closed_port()
+        port = free_port()
         log_path = directory / f"webhook-{port}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),
