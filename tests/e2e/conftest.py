@@ -22,6 +22,8 @@ from .tools import KEYS, Cosign, Image, KeyPair, bootstrap_key, push_tiny_image
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"
 STAGING = "127.0.0.1:5000"
+# The regional registries scripts/bootstrap.sh starts beside staging.
+REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
 def pytest_collection_modifyitems(items):

@@ -15,9 +15,7 @@ import time
 import pytest
 
 from ..conftest import REPO_ROOT
-from .conftest import require_registry
-
-REGIONS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
+from .conftest import REGIONS, require_registry
 
 
 def run_example() -> tuple[subprocess.CompletedProcess, float]:
@@ -29,7 +27,7 @@ def run_example() -> tuple[subprocess.CompletedProcess, float]:
 
 @pytest.fixture(scope="module")
 def two_runs(built_example):
-    for host in REGIONS:
+    for host in REGIONS.values():
         require_registry(host, "region registry")
     first, first_s = run_example()
     assert first.returncode == 0, f"example.sh failed:\n{first.stdout[-4000:]}\n{first.stderr[-4000:]}"

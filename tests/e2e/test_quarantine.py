@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO_ROOT
-from .conftest import EXAMPLE_POLICY, STAGING, imagebuild, require_registry, unique
+from .conftest import EXAMPLE_POLICY, REGIONS, STAGING, imagebuild, require_registry, unique
 from .tools import KEYS
 
-REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 NEWS = {"ecosystem": "pypi", "id": "CVE-2099-41001", "package": "paddlepaddle", "vulnerable": ["<99.0"],
         "patched": ["99.0"], "severity": "CRITICAL", "title": "paddlepaddle: an advisory published after the release",
         "description": "A test advisory: every paddlepaddle before 99.0 is affected.",

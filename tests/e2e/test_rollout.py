@@ -27,11 +27,9 @@ from imagebuild.trust import load_trust_config
 from imagebuild.verify import Verifier
 
 from ..conftest import REPO_ROOT
-from .conftest import STAGING, require_registry
+from .conftest import REGIONS, STAGING, require_registry
 from .rollout_harness import free_port, unique_metric
 from .tools import KEYS, Cosign, bootstrap_key, push_tiny_image, tool
-
-REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
 @pytest.fixture(scope="module", autouse=True)
