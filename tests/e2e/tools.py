@@ -42,10 +42,9 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def crane(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+def crane(*args: str, timeout: float = 300) -> str:
     """`crane ARGS --insecure` (plain http to the loopback registries), which must succeed; its stdout."""
-    run = subprocess.run([tool("crane"), *args, "--insecure"], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **(env or {})})
+    run = subprocess.run([tool("crane"), *args, "--insecure"], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, f"crane {' '.join(args)}: {run.stderr[-2000:]}"
     return run.stdout
 
