@@ -6,6 +6,7 @@ say how to start them (scripts/bootstrap.sh); they never skip.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,13 @@ import pytest
 import yaml
 
 from ..conftest import run_imagebuild
+from .tools import KEYS, Cosign, Image, KeyPair, bootstrap_key, push_tiny_image
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"
 STAGING = "127.0.0.1:5000"
+# The regional registries scripts/bootstrap.sh starts beside staging.
+REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
 def pytest_collection_modifyitems(items):
@@ -38,14 +42,18 @@ def engine() -> docker.DockerClient:
     return client
 
 
+def require_registry(host: str, what: str = "registry") -> str:
+    """host, once its /v2/ answers; otherwise the test fails saying how to start the local registries."""
+    try:
+        httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
+    except httpx.HTTPError as exc:
+        pytest.fail(f"the {what} {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    return host
+
+
 @pytest.fixture(scope="session")
 def staging_registry() -> str:
-    try:
-        httpx.get(f"http://{STAGING}/v2/", timeout=5).raise_for_status()
-    except httpx.HTTPError as exc:
-        pytest.fail(f"the staging registry {STAGING} is not answering ({exc}); run scripts/bootstrap.sh",
-                    pytrace=False)
-    return STAGING
+    return require_registry(STAGING, "staging registry")
 
 
 @dataclass
@@ -195,8 +203,7 @@ def scanned_example(built_example, trivy, trivy_db, tmp_path_factory) -> Scanned
 
 # --- signing (imagebuild sign): the example smoke-tested, gated and signed once per session -----------
 
-KEYS = Path("/var/lib/imagebuild/keys")
-COSIGN_KEY, COSIGN_PUB, COSIGN_PASSWORD_FILE = KEYS / "cosign.key", KEYS / "cosign.pub", KEYS / "cosign.password"
+COSIGN_PUB = KEYS / "cosign.pub"
 EXAMPLE_POLICY = EXAMPLE.parent / "policy.yaml"
 
 
@@ -222,21 +229,24 @@ class SignedExample:
 
 
 @pytest.fixture(scope="session")
-def cosign_keys() -> dict:
+def our_key() -> KeyPair:
     """The key pair bootstrap generates outside the repository, and the key's password."""
-    missing = [str(p) for p in (COSIGN_KEY, COSIGN_PUB, COSIGN_PASSWORD_FILE) if not p.is_file()]
-    if missing:
-        pytest.fail(f"cosign key pair missing ({', '.join(missing)}); run scripts/bootstrap.sh", pytrace=False)
-    return {"key": COSIGN_KEY, "pub": COSIGN_PUB, "password": COSIGN_PASSWORD_FILE.read_text().strip()}
+    return bootstrap_key()
+
+
+@pytest.fixture(scope="session")
+def cosign_keys(our_key) -> dict:
+    """our_key as the paths `imagebuild sign --key` and `cosign verify --key` take: key, pub, password."""
+    return {"key": our_key.private, "pub": our_key.public, "password": our_key.password}
 
 
 @pytest.fixture(scope="session")
 def cosign() -> str:
-    from imagebuild.sign import Cosign
+    from imagebuild.sign import Cosign as PinnedCosign
     from imagebuild.tools import ToolMissing
 
     try:
-        return Cosign.find().path
+        return PinnedCosign.find().path
     except ToolMissing as exc:
         pytest.fail(f"{exc}; run scripts/bootstrap.sh", pytrace=False)
 
@@ -260,6 +270,66 @@ def signed_example(scanned_example, cosign, cosign_keys, tmp_path_factory) -> Si
     variants = json.loads(report_path.read_text())["variants"]
     return SignedExample(workdir, report_path, images=[v["image"] for v in variants],
                          tags=[tag for v in variants for tag in v["images"]], public_key=cosign_keys["pub"], run=run)
+
+
+# --- the tests' own cosign, keys, images and trust configs (tools.py): checks independent of imagebuild ---
+
+
+@pytest.fixture(scope="session")
+def cosign_cli(cosign) -> Cosign:
+    """That cosign, run by the tests themselves (offline) to sign, attest and verify independently of imagebuild."""
+    return Cosign(cosign)
+
+
+@pytest.fixture(scope="session")
+def other_key(cosign_cli, tmp_path_factory) -> KeyPair:
+    """A key pair nobody trusts (no password), made once per session: other.key, other.pub."""
+    return cosign_cli.generate_key_pair(tmp_path_factory.mktemp("other-key"))
+
+
+@pytest.fixture
+def push(request, staging_registry, tmp_path):
+    """push(repository=..., tag=...) -> Image: a tiny image of random content (so a digest of its own).
+
+    By default in a repository of the test's own, under <module>-e2e/ (test_verify: verify-e2e/...).
+    """
+    namespace = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_") + "-e2e"
+    default = f"{staging_registry}/{namespace}/{uuid.uuid4().hex[:10]}"
+
+    def push_image(repository: str = default, tag: str = "v1") -> Image:
+        return Image(repository, tag, push_tiny_image(tmp_path, f"{repository}:{tag}"))
+
+    return push_image
+
+
+@pytest.fixture(scope="session")
+def tools() -> dict[str, str]:
+    """crane, skopeo and cosign found on PATH (the pinned tools' folder put first), by name."""
+    from imagebuild.tools import TOOLS_DIR
+
+    from .oci_servers import require_tool
+
+    hint = f"run scripts/bootstrap.sh (crane and cosign in {TOOLS_DIR}, skopeo from Debian)"
+    os.environ["PATH"] = f"{TOOLS_DIR}:{os.environ['PATH']}"
+    return {name: require_tool(name, hint) for name in ("crane", "skopeo", "cosign")}
+
+
+def trust_config(tmp_path: Path, keys: list[Path], images: list[str], **require) -> Path:
+    """A trust config for the test: its keys, the images it covers, the requirements (none by default)."""
+    path = tmp_path / "trust.yaml"
+    path.write_text(yaml.safe_dump({
+        "mode": "enforce",
+        "keys": [{"name": key.stem if key.parent != KEYS else "imagebuild-local", "path": str(key)} for key in keys],
+        "images": images,
+        "require": {"attestations": require.get("attestations", []),
+                    "smoke_passed": require.get("smoke_passed", False),
+                    "gate_passed": require.get("gate_passed", False),
+                    "block_severity": require.get("block_severity")},
+        "failure_policy": "fail",
+        "cache_ttl_seconds": 60,
+        "webhook": {"namespace": "imagebuild-system", "name": "imagebuild-admission", "image": "REF", "port": 8443},
+    }, sort_keys=False))
+    return path
 
 
 # --- rollout gates: a real Prometheus scraping an exporter the test controls, and a health endpoint ---------

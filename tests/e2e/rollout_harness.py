@@ -39,6 +39,7 @@ class HarnessError(RuntimeError):
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released): for a server to start on, or a service down."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -8,19 +8,16 @@ and the client trusts only that CA.
 from __future__ import annotations
 
 import datetime
-import io
 import ipaddress
 import json
-import os
 import signal
 import socket
 import ssl
 import subprocess
 import sys
-import tarfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,24 +27,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .conftest import REPO
+from .conftest import REPO, STAGING, require_registry
+from .rollout_harness import free_port
+from .tools import KEYS, Cosign, KeyPair, crane, push_tiny_image
 
-COSIGN = Path("/opt/imagebuild-tools/bin/cosign")
-CRANE = Path("/opt/imagebuild-tools/bin/crane")
-KEYS = Path("/var/lib/imagebuild/keys")
-STAGING = "127.0.0.1:5000"
 OUTSIDE = "127.0.0.1:5001"  # a real registry the test policy does not cover
 PREFIX = f"{STAGING}/admission-e2e"
 
 
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-UNREACHABLE = f"127.0.0.1:{closed_port()}"
+UNREACHABLE = f"127.0.0.1:{free_port()}"
 
 
 # --- TLS: a CA of the test's own and a certificate for 127.0.0.1 ----------------------------------------------
@@ -101,57 +89,24 @@ def tls(tmp_path_factory) -> Tls:
 # --- images: tiny ones, pushed with crane and signed with cosign ----------------------------------------------
 
 
-def _tool(path: Path) -> str:
-    if not path.exists():
-        pytest.fail(f"{path} is missing; run scripts/bootstrap.sh", pytrace=False)
-    return str(path)
-
-
-def _run(*args: str, env: dict | None = None, timeout: float = 120) -> str:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"{' '.join(args[:3])} failed: {proc.stderr[-2000:]}"
-    return proc.stdout.strip()
-
-
 @dataclass
 class Registry:
     """Pushes small distinct images and signs them, as the pipeline would, with the real tools."""
 
     workdir: Path
-    password: str
-    other_key: Path | None = None
-    pushed: list[str] = field(default_factory=list)
+    cosign: Cosign
+    key: KeyPair  # the trusted key: bootstrap's
 
     def push(self, repository: str, tag: str = "t") -> str:
         """A one-file image of its own at repository:tag; returns repository@digest."""
-        layer = self.workdir / f"{uuid.uuid4().hex}.tar"
-        content = uuid.uuid4().hex.encode()
-        with tarfile.open(layer, "w") as tar:
-            info = tarfile.TarInfo(f"hello-{content.decode()}.txt")
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
-        _run(_tool(CRANE), "append", "-f", str(layer), "-t", f"{repository}:{tag}")
-        digest = _run(_tool(CRANE), "digest", f"{repository}:{tag}")
-        return f"{repository}@{digest}"
+        return f"{repository}@{push_tiny_image(self.workdir, f'{repository}:{tag}')}"
 
-    def sign(self, reference: str, key: Path = KEYS / "cosign.key") -> None:
-        _run(_tool(COSIGN), "sign", "--key", str(key), "--tlog-upload=false", "--allow-http-registry",
-             "--allow-insecure-registry", "--yes", reference, env={"COSIGN_PASSWORD": self.password})
+    def sign(self, reference: str, key: KeyPair | None = None) -> None:
+        self.cosign.sign(reference, key or self.key)
 
     def tag(self, by_digest: str, tag: str) -> None:
         """Point repository:tag at this digest (a tag moved after signing)."""
-        _run(_tool(CRANE), "tag", by_digest, tag)
-
-    def another_key(self) -> Path:
-        if self.other_key is None:
-            directory = self.workdir / "other-key"
-            directory.mkdir()
-            proc = subprocess.run([_tool(COSIGN), "generate-key-pair", "--output-key-prefix", str(directory / "other")],
-                                  capture_output=True, text=True, timeout=60,
-                                  env={**os.environ, "COSIGN_PASSWORD": self.password})
-            assert proc.returncode == 0, proc.stderr
-            self.other_key = directory / "other.key"
-        return self.other_key
+        crane("tag", by_digest, tag)
 
 
 def unique_repository(registry: str = STAGING) -> str:
@@ -159,16 +114,9 @@ def unique_repository(registry: str = STAGING) -> str:
 
 
 @pytest.fixture(scope="module")
-def registry(staging_registry, tmp_path_factory) -> Registry:
-    for host in (STAGING, OUTSIDE):
-        try:
-            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
-        except httpx.HTTPError as exc:
-            pytest.fail(f"the registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
-    password_file = KEYS / "cosign.password"
-    if not password_file.exists():
-        pytest.fail(f"{password_file} is missing; run scripts/bootstrap.sh", pytrace=False)
-    return Registry(tmp_path_factory.mktemp("admission-images"), password_file.read_text().strip())
+def registry(staging_registry, cosign_cli, our_key, tmp_path_factory) -> Registry:
+    require_registry(OUTSIDE)
+    return Registry(tmp_path_factory.mktemp("admission-images"), cosign_cli, our_key)
 
 
 @dataclass(frozen=True)
@@ -182,21 +130,21 @@ class Images:
 
 
 @pytest.fixture(scope="module")
-def images(registry) -> Images:
+def images(registry, other_key) -> Images:
     signed = registry.push(unique_repository())
     registry.sign(signed)
     signed_too = registry.push(unique_repository())
     registry.sign(signed_too)
     unsigned = registry.push(unique_repository())
-    other_key = registry.push(unique_repository())
-    registry.sign(other_key, registry.another_key())
+    foreign = registry.push(unique_repository())
+    registry.sign(foreign, other_key)
     moving = unique_repository()
     first = registry.push(moving, "release")
     registry.sign(first)
     registry.push(moving, "release")  # the same tag, now on a new digest nobody signed
     outside = registry.push(unique_repository(OUTSIDE))
     registry.sign(outside)
-    return Images(signed, signed_too, unsigned, other_key, f"{moving}:release", outside)
+    return Images(signed, signed_too, unsigned, foreign, f"{moving}:release", outside)
 
 
 # --- the webhook, for real -----------------------------------------------------------------------------------
@@ -255,7 +203,7 @@ def start_webhook(tls, tmp_path_factory):
     started: list[Webhook] = []
 
     def start(**config) -> Webhook:
-        port = closed_port()
+        port = free_port()
         log_path = directory / f"webhook-{port}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),

@@ -15,8 +15,7 @@ import time
 import pytest
 
 from ..conftest import REPO_ROOT
-
-REGIONS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
+from .conftest import REGIONS, require_registry
 
 
 def run_example() -> tuple[subprocess.CompletedProcess, float]:
@@ -28,13 +27,8 @@ def run_example() -> tuple[subprocess.CompletedProcess, float]:
 
 @pytest.fixture(scope="module")
 def two_runs(built_example):
-    import httpx
-
-    for host in REGIONS:
-        try:
-            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
-        except httpx.HTTPError as exc:
-            pytest.fail(f"the region registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    for host in REGIONS.values():
+        require_registry(host, "region registry")
     first, first_s = run_example()
     assert first.returncode == 0, f"example.sh failed:\n{first.stdout[-4000:]}\n{first.stderr[-4000:]}"
     second, second_s = run_example()

@@ -32,21 +32,20 @@ from imagebuild.registry import (
     RegistryError,
 )
 
-from .conftest import STAGING
+from .conftest import STAGING, require_registry
 from .oci_servers import (
     Fault,
     FlakyProxy,
     TestCA,
     TokenIssuer,
     htpasswd,
-    require_tool,
     run,
     start_distribution,
 )
+from .tools import push_tiny_image, skopeo_digest
 
 REGION = "127.0.0.1:5001"
 ROBOT = "robot$imagebuild+ci"  # Harbor's robot naming: `$` and `+` must survive every layer
-KEYS = Path("/var/lib/imagebuild/keys")
 FAST_RETRIES = RetryPolicy(attempts=4, base_delay_s=0.05, max_delay_s=0.2, max_elapsed_s=30)
 
 
@@ -73,20 +72,8 @@ def own_blob_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tools() -> dict[str, str]:
-    hint = "run scripts/bootstrap.sh (crane and cosign in /opt/imagebuild-tools/bin, skopeo from Debian)"
-    os.environ["PATH"] = f"/opt/imagebuild-tools/bin:{os.environ['PATH']}"
-    return {name: require_tool(name, hint) for name in ("crane", "skopeo", "cosign")}
-
-
-@pytest.fixture(scope="session")
 def region_registry() -> str:
-    try:
-        httpx.get(f"http://{REGION}/v2/", timeout=5).raise_for_status()
-    except httpx.HTTPError as exc:
-        pytest.fail(f"the region registry {REGION} is not answering ({exc}); run scripts/bootstrap.sh",
-                    pytrace=False)
-    return REGION
+    return require_registry(REGION, "region registry")
 
 
 @pytest.fixture(scope="session")
@@ -132,21 +119,9 @@ def tls_registry(tmp_path_factory, test_ca):
     registry.stop()
 
 
-def crane_image(tools, tmp_path: Path, repository: str, size: int = 64, base: str | None = None) -> str:
+def crane_image(tmp_path: Path, repository: str, size: int = 64, base: str | None = None) -> str:
     """A one-layer image of `size` random bytes pushed by crane to staging; its digest."""
-    import tarfile
-
-    payload = tmp_path / f"payload-{uuid.uuid4().hex[:6]}"
-    payload.write_bytes(os.urandom(size))
-    tar = tmp_path / f"{payload.name}.tar"
-    with tarfile.open(tar, "w") as archive:
-        archive.add(payload, arcname=payload.name)
-    ref = f"{STAGING}/{repository}:t"
-    argv = [tools["crane"], "append", "--insecure", "-f", str(tar), "-t", ref]
-    if base:
-        argv += ["-b", base]
-    run(argv, timeout=300)
-    return run([tools["crane"], "digest", "--insecure", ref]).stdout.strip()
+    return push_tiny_image(tmp_path, f"{STAGING}/{repository}:t", base, size)
 
 
 def crane_blob_digest(tools, ref: str) -> str:
@@ -156,14 +131,6 @@ def crane_blob_digest(tools, ref: str) -> str:
     done = subprocess.run([tools["crane"], "blob", "--insecure", ref], capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-500:]
     return "sha256:" + hashlib.sha256(done.stdout).hexdigest()
-
-
-def skopeo_digest(tools, ref: str, creds: str | None = None, ca_dir: Path | None = None) -> str:
-    argv = [tools["skopeo"], "inspect", "--raw" if False else "--format", "{{.Digest}}"]
-    argv += ["--cert-dir", str(ca_dir)] if ca_dir else ["--tls-verify=false"]
-    if creds:
-        argv += ["--creds", creds]
-    return run([*argv, f"docker://{ref}"]).stdout.strip()
 
 
 def skopeo_raw_digest(tools, ref: str, creds: str | None = None) -> str:
@@ -177,16 +144,16 @@ def skopeo_raw_digest(tools, ref: str, creds: str | None = None) -> str:
 
 def test_a_robot_account_copies_into_a_basic_auth_registry(tools, tmp_path, basic_registry, passwords):
     repository = _unique("basic")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     with Registry(STAGING) as source, Registry(basic_registry, credentials=Credentials(ROBOT, passwords[ROBOT])) as target:
         result = copy_image(source, repository, digest, target, repository, tags=["v1"])
     assert result.digest == digest
-    assert skopeo_digest(tools, f"{basic_registry}/{repository}:v1", creds=f"{ROBOT}:{passwords[ROBOT]}") == digest
+    assert skopeo_digest(tools["skopeo"], f"{basic_registry}/{repository}:v1", creds=f"{ROBOT}:{passwords[ROBOT]}") == digest
 
 
 def test_credentials_come_from_the_docker_config_file(tools, tmp_path, basic_registry, passwords):
     repository = _unique("dockercfg")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     config = tmp_path / "docker" / "config.json"
     config.parent.mkdir()
     auth = base64.b64encode(f"{ROBOT}:{passwords[ROBOT]}".encode()).decode()
@@ -199,10 +166,10 @@ def test_credentials_come_from_the_docker_config_file(tools, tmp_path, basic_reg
 
 
 def test_wrong_credentials_fail_in_one_line_naming_the_registry_and_never_the_secret(
-        tools, tmp_path, basic_registry, caplog):
+        tmp_path, basic_registry, caplog):
     canary = f"canary-wrong-{uuid.uuid4().hex}"
     repository = _unique("denied")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     caplog.set_level(logging.DEBUG)
     target = Registry(basic_registry, credentials=Credentials(ROBOT, canary))
     with Registry(STAGING) as source, pytest.raises(RegistryAuthError) as raised:
@@ -224,11 +191,11 @@ def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, 
                                                                           token_service, passwords, caplog):
     caplog.set_level(logging.DEBUG)
     repository = _unique("token")
-    first, second = crane_image(tools, tmp_path, repository), None
+    first, second = crane_image(tmp_path, repository), None
     before = len(token_service.requests)
     with Registry(STAGING) as source, Registry(token_registry, credentials=Credentials(ROBOT, passwords[ROBOT])) as target:
         copy_image(source, repository, first, target, repository, tags=["v1"])
-        second = crane_image(tools, tmp_path, repository)
+        second = crane_image(tmp_path, repository)
         copy_image(source, repository, second, target, repository, tags=["v2"])
     asked = token_service.requests[before:]
     assert all(request.account == ROBOT for request in asked), "the robot's name arrives intact"
@@ -239,13 +206,13 @@ def test_token_auth_grants_push_to_the_robot_and_caches_tokens_per_scope(tools, 
     for secret in (passwords[ROBOT], *token_service.issued):
         assert secret not in caplog.text, "neither the password nor a token is logged"
     creds = f"{ROBOT}:{passwords[ROBOT]}"
-    assert skopeo_digest(tools, f"{token_registry}/{repository}:v1", creds=creds) == first
-    assert skopeo_digest(tools, f"{token_registry}/{repository}:v2", creds=creds) == second
+    assert skopeo_digest(tools["skopeo"], f"{token_registry}/{repository}:v1", creds=creds) == first
+    assert skopeo_digest(tools["skopeo"], f"{token_registry}/{repository}:v2", creds=creds) == second
 
 
-def test_token_auth_refuses_a_push_the_user_may_not_make(tools, tmp_path, token_registry, passwords):
+def test_token_auth_refuses_a_push_the_user_may_not_make(tmp_path, token_registry, passwords):
     repository = _unique("readonly")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     with Registry(STAGING) as source, Registry(token_registry, credentials=Credentials("reader", passwords["reader"])) as target:
         with pytest.raises(RegistryAuthError) as raised:
             copy_image(source, repository, digest, target, repository, tags=["v1"])
@@ -266,7 +233,7 @@ def test_a_mount_within_a_token_registry_asks_for_pull_on_the_source_repository(
     # The image comes from the basic-auth registry (an authenticated source), lands in one
     # repository of the token registry, then moves to another there by mounting.
     first, second = _unique("token-mount-a"), _unique("token-mount-b")
-    digest = crane_image(tools, tmp_path, first)
+    digest = crane_image(tmp_path, first)
     robot = Credentials(ROBOT, passwords[ROBOT])
     with Registry(STAGING) as staging, Registry(basic_registry, credentials=robot) as basic:
         copy_image(staging, first, digest, basic, first)
@@ -279,17 +246,17 @@ def test_a_mount_within_a_token_registry_asks_for_pull_on_the_source_repository(
     asked = [scope for request in token_service.requests[before:] for scope in request.granted]
     assert f"repository:{first}:pull" in asked and f"repository:{second}:pull,push" in asked
     creds = f"{ROBOT}:{passwords[ROBOT]}"
-    assert skopeo_digest(tools, f"{token_registry}/{second}:mounted", creds=creds) == digest
+    assert skopeo_digest(tools["skopeo"], f"{token_registry}/{second}:mounted", creds=creds) == digest
 
 
 def test_an_identity_token_from_the_docker_config_is_exchanged_for_registry_tokens(
-        tools, tmp_path, token_registry, token_service):
+        tmp_path, token_registry, token_service):
     refresh = f"refresh-canary-{uuid.uuid4().hex}"
     token_service.refresh_tokens[refresh] = ROBOT
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"auths": {token_registry: {"identitytoken": refresh}}}))
     repository = _unique("identity")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     with Registry(STAGING) as source, Registry(token_registry, docker_config=config) as target:
         target.check_access(repository, push=True)
         copy_image(source, repository, digest, target, repository, tags=["v1"])
@@ -310,11 +277,11 @@ def test_check_access_tells_pull_rights_from_push_rights(token_registry, passwor
 
 def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools, tmp_path, tls_registry, test_ca):
     repository = _unique("tls")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     with Registry(STAGING) as source, Registry(tls_registry, ca_bundle=test_ca.bundle) as target:
         assert target.url.startswith("https://")
         copy_image(source, repository, digest, target, repository, tags=["v1"])
-    assert skopeo_digest(tools, f"{tls_registry}/{repository}:v1", ca_dir=test_ca.trust_dir) == digest
+    assert skopeo_digest(tools["skopeo"], f"{tls_registry}/{repository}:v1", ca_dir=test_ca.trust_dir) == digest
     with Registry(tls_registry, insecure=False) as untrusting, pytest.raises(RegistryError) as raised:
         untrusting.head_manifest(repository, "v1")
     assert tls_registry in str(raised.value) and "give its CA bundle" in str(raised.value)
@@ -330,7 +297,7 @@ def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools,
 def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(tools, tmp_path, region_registry,
                                                                               flags, media_type):
     repository = _unique("index")
-    children = [crane_image(tools, tmp_path, f"{repository}-{n}") for n in range(2)]
+    children = [crane_image(tmp_path, f"{repository}-{n}") for n in range(2)]
     index_ref = f"{STAGING}/{repository}:multi"
     run([tools["crane"], "index", "append", "--insecure", *flags, "-t", index_ref,
          *[arg for n, d in enumerate(children) for arg in ("-m", f"{STAGING}/{repository}-{n}@{d}")]])
@@ -348,8 +315,8 @@ def test_a_multi_arch_index_is_copied_whole_and_a_second_copy_uploads_nothing(to
 
 def test_an_image_whose_base_layers_the_target_holds_uploads_only_its_own(tools, tmp_path, region_registry):
     repository = _unique("layers")
-    base = crane_image(tools, tmp_path, repository, size=200_000)
-    child = crane_image(tools, tmp_path, repository, size=1000, base=f"{STAGING}/{repository}@{base}")
+    base = crane_image(tmp_path, repository, size=200_000)
+    child = crane_image(tmp_path, repository, size=1000, base=f"{STAGING}/{repository}@{base}")
     with Registry(STAGING) as source, Registry(region_registry) as target:
         copy_image(source, repository, base, target, repository)
         result = copy_image(source, repository, child, target, repository, tags=["child"])
@@ -357,20 +324,20 @@ def test_an_image_whose_base_layers_the_target_holds_uploads_only_its_own(tools,
     new_layer, config = manifest["layers"][-1], manifest["config"]
     assert result.stats.blobs_present == 1, "the base layer was already there"
     assert result.stats.bytes_uploaded == new_layer["size"] + config["size"]
-    assert skopeo_digest(tools, f"{region_registry}/{repository}:child") == child
+    assert skopeo_digest(tools["skopeo"], f"{region_registry}/{repository}:child") == child
 
 
 def test_a_copy_within_one_registry_mounts_every_blob(tools, tmp_path, staging_registry):
     source_repository, target_repository = _unique("mount-src"), _unique("mount-dst")
-    digest = crane_image(tools, tmp_path, source_repository)
+    digest = crane_image(tmp_path, source_repository)
     with Registry(STAGING) as registry:
         result = copy_image(registry, source_repository, digest, registry, target_repository, tags=["release"])
     assert result.stats.blobs_mounted == 2 and result.stats.bytes_uploaded == 0
     assert run([tools["crane"], "digest", "--insecure", f"{STAGING}/{target_repository}:release"]).stdout.strip() == digest
 
 
-def _large_image(tools, tmp_path, repository: str, size: int) -> tuple[str, dict]:
-    digest = crane_image(tools, tmp_path, repository, size=size)
+def _large_image(tmp_path, repository: str, size: int) -> tuple[str, dict]:
+    digest = crane_image(tmp_path, repository, size=size)
     with Registry(STAGING) as staging:
         return digest, json.loads(staging.get_manifest(repository, digest)[0])
 
@@ -378,7 +345,7 @@ def _large_image(tools, tmp_path, repository: str, size: int) -> tuple[str, dict
 def test_blobs_the_target_registry_holds_in_another_repository_are_mounted_across_registries(
         tools, tmp_path, region_registry):
     repository = _unique("hinted")
-    digest = crane_image(tools, tmp_path, repository, size=300_000)
+    digest = crane_image(tmp_path, repository, size=300_000)
     cache = tmp_path / "blob-locations.json"
     first, second, third = (f"{repository}-{n}" for n in range(3))
     with Registry(STAGING) as source, Registry(region_registry) as target:
@@ -399,7 +366,7 @@ def test_blobs_the_target_registry_holds_in_another_repository_are_mounted_acros
 def test_a_hint_to_a_repository_the_user_may_not_read_falls_back_to_an_upload(
         tools, tmp_path, token_registry, token_service, passwords):
     repository = _unique("private")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     token_service.users["team"] = (passwords["reader"], ("pull", "push"))
     token_service.limited_to["team"] = "e2e-oci/team-"
     locations = BlobLocations()
@@ -416,14 +383,14 @@ def test_a_hint_to_a_repository_the_user_may_not_read_falls_back_to_an_upload(
     assert result.stats.blobs_mounted == 0 and result.stats.blobs_uploaded == 2
     tried = [r for r in token_service.requests if r.account == "team" and f"repository:{repository}:pull" in r.scopes]
     assert tried and not any(repository in scope for r in tried for scope in r.granted), "the mount was tried, refused"
-    assert skopeo_digest(tools, f"{token_registry}/{own}:v1", creds=f"team:{passwords['reader']}") == digest
+    assert skopeo_digest(tools["skopeo"], f"{token_registry}/{own}:v1", creds=f"team:{passwords['reader']}") == digest
 
 
 def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the_registry_stands(
         tools, tmp_path, region_registry):
     repository = _unique("large")
     size, chunk = 64 * 1024 * 1024, 4 * 1024 * 1024
-    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    digest, manifest = _large_image(tmp_path, repository, size)
     layer = manifest["layers"][0]
     chunks = -(-layer["size"] // chunk)
     assert chunks > 8
@@ -452,7 +419,7 @@ def test_a_large_blob_goes_in_chunks_and_an_interrupted_upload_resumes_where_the
     reads = [entry[2] for entry in source_proxy.log if entry[0] == "GET" and layer["digest"] in entry[1]]
     assert reads == ["forwarded (200)", "forwarded (206), body cut in half", "forwarded (206)"], \
         "read again from the lost chunk, then from where the stream broke; never from the start"
-    assert skopeo_digest(tools, f"{region_registry}/{repository}:big") == digest
+    assert skopeo_digest(tools["skopeo"], f"{region_registry}/{repository}:big") == digest
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
 
 
@@ -460,7 +427,7 @@ def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it
         tools, tmp_path, region_registry):
     repository = _unique("stall")
     size, chunk = 24 * 1024 * 1024, 4 * 1024 * 1024
-    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    digest, manifest = _large_image(tmp_path, repository, size)
     layer = manifest["layers"][0]
     proxy = FlakyProxy(STAGING, [Fault("GET", f"/blobs/{layer['digest']}$", "stall", stall_s=6)])
     try:
@@ -473,7 +440,7 @@ def test_a_source_that_stalls_mid_blob_times_out_and_is_read_again_from_where_it
     assert reads == ["forwarded (200), body stall in half", "forwarded (206)"], "timed out, read again from there"
     assert result.stats.source_reopened == 1 and result.stats.uploads_resumed == 0
     assert result.stats.bytes_uploaded == layer["size"] + manifest["config"]["size"]
-    assert skopeo_digest(tools, f"{region_registry}/{repository}:stalled") == digest
+    assert skopeo_digest(tools["skopeo"], f"{region_registry}/{repository}:stalled") == digest
 
 
 def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools, tmp_path, region_registry):
@@ -481,7 +448,7 @@ def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools
     # session's stale URL, so the blob starts over in a new session.
     repository = _unique("restart")
     size, chunk = 24 * 1024 * 1024, 4 * 1024 * 1024
-    digest, manifest = _large_image(tools, tmp_path, repository, size)
+    digest, manifest = _large_image(tmp_path, repository, size)
     layer = manifest["layers"][0]
     proxy = FlakyProxy(region_registry, [Fault("PATCH", r"/blobs/uploads/", "forward-drop", after=3)])
     try:
@@ -493,13 +460,13 @@ def test_an_upload_whose_session_is_lost_starts_over_and_still_lands_whole(tools
     assert proxy.faults[0].served == 1
     assert result.stats.uploads_restarted + result.stats.uploads_resumed == 1
     assert result.stats.bytes_uploaded >= layer["size"] + manifest["config"]["size"]
-    assert skopeo_digest(tools, f"{region_registry}/{repository}:big") == digest
+    assert skopeo_digest(tools["skopeo"], f"{region_registry}/{repository}:big") == digest
     assert crane_blob_digest(tools, f"{region_registry}/{repository}@{layer['digest']}") == layer["digest"]
 
 
 def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools, tmp_path, region_registry):
     repository = _unique("flaky")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     in_four_seconds = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=4), usegmt=True)
     proxy = FlakyProxy(region_registry, [
         Fault("HEAD", r"/manifests/", "status", status=429, retry_after="1"),
@@ -518,12 +485,12 @@ def test_429_503_and_dropped_connections_are_retried_honouring_retry_after(tools
     assert [f.served for f in proxy.faults] == [1, 1, 2, 1, 1]
     # 1 s, then what is left of the four (an HTTP date counts whole seconds), then short backoffs.
     assert log.retries == 6 and log.waited_s >= 2.5, log
-    assert skopeo_digest(tools, f"{region_registry}/{repository}:flaky") == digest
+    assert skopeo_digest(tools["skopeo"], f"{region_registry}/{repository}:flaky") == digest
 
 
-def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(tools, tmp_path, region_registry):
+def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(tmp_path, region_registry):
     repository = _unique("down")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     proxy = FlakyProxy(region_registry, [Fault("PUT", r"/manifests/sha256:", "status", status=503, times=100)])
     try:
         with Registry(STAGING) as source, Registry(proxy.host, retry=FAST_RETRIES) as target:
@@ -537,9 +504,9 @@ def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(t
     assert httpx.head(f"http://{region_registry}/v2/{repository}/manifests/never").status_code == 404
 
 
-def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_status(tools, tmp_path, region_registry):
+def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_status(tmp_path, region_registry):
     repository = _unique("slow-down")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     proxy = FlakyProxy(region_registry, [Fault("HEAD", r"/manifests/", "status", status=429, retry_after="3600")])
     try:
         with Registry(STAGING) as source, Registry(proxy.host) as target:
@@ -562,43 +529,31 @@ def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(
 
 # --- signatures, attestations, referrers ----------------------------------------------------
 
-def _cosign_env() -> dict[str, str]:
-    password = KEYS / "cosign.password"
-    if not password.exists():
-        pytest.fail(f"{password} is missing; run scripts/bootstrap.sh (it makes the cosign key pair)", pytrace=False)
-    return {**os.environ, "COSIGN_PASSWORD": password.read_text().strip()}
-
-
-def test_signatures_attestations_and_sboms_travel_and_cosign_verifies_them_in_the_target(tools, tmp_path, region_registry):
+def test_signatures_attestations_and_sboms_travel_and_cosign_verifies_them_in_the_target(
+        cosign_cli, our_key, tmp_path, region_registry):
     repository = _unique("signed")
-    digest = crane_image(tools, tmp_path, repository)
-    env, ref = _cosign_env(), f"{STAGING}/{repository}@{digest}"
-    offline = ["--tlog-upload=false", "--allow-http-registry", "--allow-insecure-registry", "--yes"]
-    run([tools["cosign"], "sign", "--key", str(KEYS / "cosign.key"), *offline, ref], env=env)
-    predicate = tmp_path / "predicate.json"
-    predicate.write_text(json.dumps({"status": "passed", "digest": digest}))
-    run([tools["cosign"], "attest", "--key", str(KEYS / "cosign.key"), "--type", "https://imagebuild.dev/test/v1",
-         "--predicate", str(predicate), *offline, ref], env=env)
+    digest = crane_image(tmp_path, repository)
+    ref = f"{STAGING}/{repository}@{digest}"
+    cosign_cli.sign(ref, our_key)
+    cosign_cli.attest(ref, our_key, "https://imagebuild.dev/test/v1", {"status": "passed", "digest": digest}, tmp_path)
     sbom = tmp_path / "sbom.json"
     sbom.write_text(json.dumps({"bomFormat": "CycloneDX", "specVersion": "1.5", "components": []}))
-    run([tools["cosign"], "attach", "sbom", "--sbom", str(sbom), "--type", "cyclonedx", "--input-format", "json",
-         "--allow-http-registry", "--allow-insecure-registry", ref], env=env)
+    attach = cosign_cli.run("attach", "sbom", "--sbom", str(sbom), "--type", "cyclonedx", "--input-format", "json",
+                            "--allow-http-registry", "--allow-insecure-registry", ref)
+    assert attach.returncode == 0, attach.stderr
     target_ref = f"{region_registry}/{repository}@{digest}"
-    verify = [tools["cosign"], "verify", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
-              "--allow-insecure-registry", "--allow-http-registry"]
     with Registry(STAGING) as source, Registry(region_registry) as target:
         copy_image(source, repository, digest, target, repository, tags=["v1"])
-        assert run([*verify, target_ref], env=env, check=False).returncode != 0, "no signature copied by default"
+        assert not cosign_cli.admits(target_ref, our_key.public), "no signature copied by default"
         result = copy_image(source, repository, digest, target, repository, tags=["v1"],
                             options=CopyOptions(signatures=True))
     assert sorted(result.stats.signature_tags) == [cosign_tag(digest, kind) for kind in ("att", "sbom", "sig")]
-    verified = run([*verify, "--output", "json", target_ref], env=env)
-    assert json.loads(verified.stdout)[0]["critical"]["image"]["docker-manifest-digest"] == digest
-    run([tools["cosign"], "verify-attestation", "--key", str(KEYS / "cosign.pub"), "--insecure-ignore-tlog",
-         "--allow-insecure-registry", "--allow-http-registry", "--type", "https://imagebuild.dev/test/v1",
-         target_ref], env=env)
-    sbom_copied = run([tools["cosign"], "download", "sbom", "--allow-http-registry", "--allow-insecure-registry",
-                       target_ref], env=env)
+    verified = cosign_cli.verified(target_ref, our_key.public)
+    assert verified[0]["critical"]["image"]["docker-manifest-digest"] == digest
+    [statement] = cosign_cli.statements(target_ref, our_key.public, "https://imagebuild.dev/test/v1")
+    assert statement["predicate"] == {"status": "passed", "digest": digest}
+    sbom_copied = cosign_cli.run("download", "sbom", "--allow-http-registry", "--allow-insecure-registry", target_ref)
+    assert sbom_copied.returncode == 0, sbom_copied.stderr
     assert json.loads(sbom_copied.stdout)["bomFormat"] == "CycloneDX"
 
 
@@ -612,7 +567,7 @@ def _push_blob(registry: str, repository: str, content: bytes) -> dict:
 
 def test_referrers_travel_by_the_fallback_tag_where_there_is_no_referrers_api(tools, tmp_path, region_registry):
     repository = _unique("referrers")
-    digest = crane_image(tools, tmp_path, repository)
+    digest = crane_image(tmp_path, repository)
     subject_size = len(httpx.get(f"http://{STAGING}/v2/{repository}/manifests/{digest}",
                                  headers={"Accept": OCI_MANIFEST + ", application/vnd.docker.distribution.manifest.v2+json"}).content)
     # An SBOM artifact that refers to the image, pushed by hand the way oras does against a

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,21 +19,15 @@ import pytest
 
 from imagebuild import policies
 from imagebuild.attest import KINDS
+from imagebuild.tools import TOOLS_DIR
 from imagebuild.trust import load_trust_config
 
 from .conftest import REPO, imagebuild
+from .tools import Cosign, KeyPair, push_tiny_image
 
-TOOLS = Path("/opt/imagebuild-tools/bin")
-KEYS = Path("/var/lib/imagebuild/keys")
 # The installed evaluator first; the lead's build tree while bootstrap has not installed it yet.
-TESTER_CANDIDATES = (TOOLS / "policy-tester", Path("/tmp/pcbuild/policy-tester"))
-
-
-def _tool(name: str) -> str:
-    found = TOOLS / name if (TOOLS / name).exists() else shutil.which(name)
-    if not found:
-        pytest.fail(f"{name} is not installed; run scripts/bootstrap.sh", pytrace=False)
-    return str(found)
+TESTER_CANDIDATES = (TOOLS_DIR / "policy-tester", Path("/tmp/pcbuild/policy-tester"))
+COSIGN_TYPES = {kind.name: kind.cosign_type for kind in KINDS}  # sbom -> cyclonedx, ..., provenance
 
 
 @pytest.fixture(scope="session")
@@ -50,78 +42,22 @@ def policy_tester() -> str:
                 pytrace=False)
 
 
-@dataclass(frozen=True)
-class SigningKey:
-    key: Path
-    pub: Path
-    password: str
-
-
-@pytest.fixture(scope="session")
-def bootstrap_key() -> SigningKey:
-    paths = [KEYS / "cosign.key", KEYS / "cosign.pub", KEYS / "cosign.password"]
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        pytest.fail(f"the bootstrap signing key is missing ({', '.join(missing)}); run scripts/bootstrap.sh",
-                    pytrace=False)
-    return SigningKey(paths[0], paths[1], paths[2].read_text().strip())
-
-
-@pytest.fixture(scope="session")
-def other_key(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
-    folder = tmp_path_factory.mktemp("other-key")
-    password = uuid.uuid4().hex
-    subprocess.run([_tool("cosign"), "generate-key-pair", "--output-key-prefix", "other"], cwd=folder,
-                   env={**os.environ, "COSIGN_PASSWORD": password}, check=True, capture_output=True, timeout=60)
-    return SigningKey(folder / "other.key", folder / "other.pub", password)
-
-
 @pytest.fixture(scope="session")
 def namespace(staging_registry: str) -> str:
     """A repository prefix of this run's own: nothing another run or test pushes lands under it."""
     return f"{staging_registry}/imagebuild-policies-e2e/{uuid.uuid4().hex[:12]}"
 
 
-def push_tiny_image(tmp_path: Path, reference: str) -> str:
-    """A one-layer image whose content is unique; returns its by-digest reference."""
-    payload = tmp_path / f"{uuid.uuid4().hex}.txt"
-    payload.write_text(f"{reference} {uuid.uuid4()}\n")
-    layer = payload.with_suffix(".tar")
-    with tarfile.open(layer, "w") as tar:
-        tar.add(payload, arcname="content.txt")
-    crane = _tool("crane")
-    subprocess.run([crane, "append", "-f", str(layer), "-t", reference], check=True, capture_output=True, timeout=60)
-    digest = subprocess.run([crane, "digest", reference], check=True, capture_output=True, text=True,
-                            timeout=60).stdout.strip()
-    return f"{reference.rsplit(':', 1)[0]}@{digest}"
-
-
-COSIGN_OFFLINE = ["--tlog-upload=false", "--allow-http-registry", "--allow-insecure-registry", "--yes"]
-
-
-def cosign(key: SigningKey, *args: str) -> None:
-    result = subprocess.run([_tool("cosign"), *args[:1], "--key", str(key.key), *COSIGN_OFFLINE, *args[1:]],
-                            env={**os.environ, "COSIGN_PASSWORD": key.password}, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, f"cosign {args[0]} failed: {result.stderr[-2000:]}"
-
-
-def sign(key: SigningKey, image: str) -> None:
-    cosign(key, "sign", image)
-
-
-def attest(key: SigningKey, image: str, kind: str, predicate: dict, tmp_path: Path) -> None:
-    file = tmp_path / f"{kind}-{uuid.uuid4().hex}.json"
-    file.write_text(json.dumps(predicate))
-    cosign_type = {k.name: k.cosign_type for k in KINDS}[kind]
-    cosign(key, "attest", "--type", cosign_type, "--predicate", str(file), image)
+def pushed(tmp_path: Path, reference: str) -> str:
+    """A one-layer image whose content is unique, pushed to reference; its by-digest reference."""
+    return f"{reference.rsplit(':', 1)[0]}@{push_tiny_image(tmp_path, reference)}"
 
 
 def digest_of(image: str) -> str:
     return image.rsplit("@", 1)[1]
 
 
-def attest_all(key: SigningKey, image: str, tmp_path: Path, *, smoke_status: str = "passed",
+def attest_all(cosign_cli: Cosign, key: KeyPair, image: str, tmp_path: Path, *, smoke_status: str = "passed",
                smoke_digest: str | None = None, gate_decision: str = "passed", skip: tuple[str, ...] = ()) -> None:
     """The four attestations `imagebuild sign` attaches, in their predicate shapes."""
     digest = digest_of(image)
@@ -138,7 +74,7 @@ def attest_all(key: SigningKey, image: str, tmp_path: Path, *, smoke_status: str
     }
     for kind, predicate in predicates.items():
         if kind not in skip:
-            attest(key, image, kind, predicate, tmp_path)
+            cosign_cli.attest(image, key, COSIGN_TYPES[kind], predicate, tmp_path)
 
 
 @dataclass(frozen=True)
@@ -181,31 +117,31 @@ def generate(config: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def images(namespace: str, bootstrap_key: SigningKey, other_key: SigningKey,
+def images(namespace: str, cosign_cli: Cosign, our_key: KeyPair, other_key: KeyPair,
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """signed (bootstrap key), unsigned, foreign (another key), moved (a signed tag moved to an
     unsigned digest), outside (signed, in a repository no glob covers)."""
     tmp = tmp_path_factory.mktemp("images")
     made = {
-        "signed": push_tiny_image(tmp, f"{namespace}/app/signed:t"),
-        "unsigned": push_tiny_image(tmp, f"{namespace}/app/unsigned:t"),
-        "foreign": push_tiny_image(tmp, f"{namespace}/app/foreign:t"),
-        "outside": push_tiny_image(tmp, f"{namespace}-elsewhere/app:t"),
+        "signed": pushed(tmp, f"{namespace}/app/signed:t"),
+        "unsigned": pushed(tmp, f"{namespace}/app/unsigned:t"),
+        "foreign": pushed(tmp, f"{namespace}/app/foreign:t"),
+        "outside": pushed(tmp, f"{namespace}-elsewhere/app:t"),
     }
-    sign(bootstrap_key, made["signed"])
-    sign(other_key, made["foreign"])
-    sign(bootstrap_key, made["outside"])
+    cosign_cli.sign(made["signed"], our_key)
+    cosign_cli.sign(made["foreign"], other_key)
+    cosign_cli.sign(made["outside"], our_key)
     moved_tag = f"{namespace}/app/moved:t"
-    sign(bootstrap_key, push_tiny_image(tmp, moved_tag))
-    push_tiny_image(tmp, moved_tag)  # the tag now names a digest nobody signed
+    cosign_cli.sign(pushed(tmp, moved_tag), our_key)
+    pushed(tmp, moved_tag)  # the tag now names a digest nobody signed
     made["moved"] = moved_tag
     return made
 
 
 @pytest.fixture(scope="module")
-def single_key_policy(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def single_key_policy(namespace: str, our_key: KeyPair, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("single")
-    return generate(trust_file(folder, [bootstrap_key.pub], [f"{namespace}/app/**"]), folder / "admission")
+    return generate(trust_file(folder, [our_key.public], [f"{namespace}/app/**"]), folder / "admission")
 
 
 EXPECTED_SINGLE_KEY = {"signed": True, "unsigned": False, "foreign": False, "moved": False, "outside": False}
@@ -238,9 +174,9 @@ def test_tester_refuses_an_image_outside_the_configured_repositories(policy_test
 
 
 def test_rotated_policy_admits_images_signed_with_either_key(policy_tester: str, namespace: str,
-                                                             bootstrap_key: SigningKey, other_key: SigningKey,
+                                                             our_key: KeyPair, other_key: KeyPair,
                                                              images: dict[str, str], tmp_path: Path) -> None:
-    config = trust_file(tmp_path, [bootstrap_key.pub, other_key.pub], [f"{namespace}/app/**"])
+    config = trust_file(tmp_path, [our_key.public, other_key.public], [f"{namespace}/app/**"])
     policy = generate(config, tmp_path / "admission")
     assert evaluate(policy_tester, policy, images["signed"]).admitted
     assert evaluate(policy_tester, policy, images["foreign"]).admitted
@@ -248,9 +184,9 @@ def test_rotated_policy_admits_images_signed_with_either_key(policy_tester: str,
 
 
 def test_warn_mode_admits_the_unsigned_image_with_a_warning(policy_tester: str, namespace: str,
-                                                            bootstrap_key: SigningKey, images: dict[str, str],
+                                                            our_key: KeyPair, images: dict[str, str],
                                                             tmp_path: Path) -> None:
-    config = trust_file(tmp_path, [bootstrap_key.pub], [f"{namespace}/app/**"], mode="warn")
+    config = trust_file(tmp_path, [our_key.public], [f"{namespace}/app/**"], mode="warn")
     decision = evaluate(policy_tester, generate(config, tmp_path / "admission"), images["unsigned"])
     assert decision.admitted and "no signatures found" in decision.output
 
@@ -268,29 +204,30 @@ REQUIRE_ALL = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gat
 
 
 @pytest.fixture(scope="module")
-def attested(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def attested(namespace: str, cosign_cli: Cosign, our_key: KeyPair,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """complete: signed with all four attestations; smoke_failed; smoke_elsewhere (the smoke
     result names another digest); gate_blocked; no_gate; not_signed (attested, but the image
     itself unsigned)."""
     tmp = tmp_path_factory.mktemp("attested")
-    made = {name: push_tiny_image(tmp, f"{namespace}/attested/{name.replace('_', '-')}:t")
+    made = {name: pushed(tmp, f"{namespace}/attested/{name.replace('_', '-')}:t")
             for name in ("complete", "smoke_failed", "smoke_elsewhere", "gate_blocked", "no_gate", "not_signed")}
     for name, image in made.items():
         if name != "not_signed":
-            sign(bootstrap_key, image)
-    attest_all(bootstrap_key, made["complete"], tmp)
-    attest_all(bootstrap_key, made["smoke_failed"], tmp, smoke_status="failed")
-    attest_all(bootstrap_key, made["smoke_elsewhere"], tmp, smoke_digest=digest_of(made["complete"]))
-    attest_all(bootstrap_key, made["gate_blocked"], tmp, gate_decision="blocked")
-    attest_all(bootstrap_key, made["no_gate"], tmp, skip=("gate",))
-    attest_all(bootstrap_key, made["not_signed"], tmp)
+            cosign_cli.sign(image, our_key)
+    attest_all(cosign_cli, our_key, made["complete"], tmp)
+    attest_all(cosign_cli, our_key, made["smoke_failed"], tmp, smoke_status="failed")
+    attest_all(cosign_cli, our_key, made["smoke_elsewhere"], tmp, smoke_digest=digest_of(made["complete"]))
+    attest_all(cosign_cli, our_key, made["gate_blocked"], tmp, gate_decision="blocked")
+    attest_all(cosign_cli, our_key, made["no_gate"], tmp, skip=("gate",))
+    attest_all(cosign_cli, our_key, made["not_signed"], tmp)
     return made
 
 
 @pytest.fixture(scope="module")
-def attestation_policy(namespace: str, bootstrap_key: SigningKey, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def attestation_policy(namespace: str, our_key: KeyPair, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("attestation-policy")
-    config = trust_file(folder, [bootstrap_key.pub], [f"{namespace}/attested/**"], require=REQUIRE_ALL)
+    config = trust_file(folder, [our_key.public], [f"{namespace}/attested/**"], require=REQUIRE_ALL)
     return generate(config, folder / "admission")
 
 
@@ -352,18 +289,19 @@ def provenance_predicate(build_type: str) -> dict:
 
 
 def test_a_policy_requiring_provenance_admits_only_images_with_imagebuilds_provenance(
-        policy_tester: str, namespace: str, bootstrap_key: SigningKey, tmp_path: Path) -> None:
+        policy_tester: str, namespace: str, cosign_cli: Cosign, our_key: KeyPair, tmp_path: Path) -> None:
     from imagebuild.provenance import BUILD_TYPE
     from imagebuild.verify import Verifier
 
-    made = {name: push_tiny_image(tmp_path, f"{namespace}/provenance/{name}:t")
+    made = {name: pushed(tmp_path, f"{namespace}/provenance/{name}:t")
             for name in ("with-provenance", "without", "foreign-build")}
     for image in made.values():
-        sign(bootstrap_key, image)
-    attest(bootstrap_key, made["with-provenance"], "provenance", provenance_predicate(BUILD_TYPE), tmp_path)
-    attest(bootstrap_key, made["foreign-build"], "provenance",
-           provenance_predicate("https://example.com/another-builder/v1"), tmp_path)
-    config = trust_file(tmp_path, [bootstrap_key.pub], [f"{namespace}/provenance/**"],
+        cosign_cli.sign(image, our_key)
+    cosign_cli.attest(made["with-provenance"], our_key, COSIGN_TYPES["provenance"], provenance_predicate(BUILD_TYPE),
+                      tmp_path)
+    cosign_cli.attest(made["foreign-build"], our_key, COSIGN_TYPES["provenance"],
+                      provenance_predicate("https://example.com/another-builder/v1"), tmp_path)
+    config = trust_file(tmp_path, [our_key.public], [f"{namespace}/provenance/**"],
                         require="{attestations: [provenance]}")
     policy = generate(config, tmp_path / "admission")
 

@@ -10,71 +10,24 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
-import subprocess
 import uuid
 from pathlib import Path
 
 import httpx
 import jsonschema
-import pytest
 
 from imagebuild.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
 from imagebuild.provenance import BUILD_TYPE, canonical_sha256
 
-from .conftest import STAGING, imagebuild
-from .test_verify import KEYS, Cosign, Image, KeyPair, tool, trust_config
+from .conftest import STAGING, imagebuild, trust_config
+from .tools import COSIGN_VERIFY_OFFLINE, Image, crane
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "fixtures" / "schemas" / "slsa-provenance-v1.schema.json").read_text())
 PREDICATE_SCHEMA = {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/provenance"}
-OFFLINE = ["--insecure-ignore-tlog", "--allow-http-registry", "--allow-insecure-registry"]
-
-
-@pytest.fixture(scope="module")
-def cosign_cli() -> Cosign:
-    return Cosign()
-
-
-@pytest.fixture(scope="module")
-def our_key() -> KeyPair:
-    if not (KEYS / "cosign.key").is_file():
-        pytest.fail(f"{KEYS}/cosign.key is missing; run scripts/bootstrap.sh", pytrace=False)
-    return KeyPair(KEYS / "cosign.key", KEYS / "cosign.pub", (KEYS / "cosign.password").read_text().strip())
-
-
-@pytest.fixture
-def other_key(cosign_cli, tmp_path_factory) -> KeyPair:
-    return cosign_cli.generate_key_pair(tmp_path_factory.mktemp("other-key"))
-
-
-@pytest.fixture
-def push(staging_registry, tmp_path):
-    """push() -> Image: a tiny image of random content in a repository of its own."""
-    repository = f"{staging_registry}/provenance-e2e/{uuid.uuid4().hex[:10]}"
-
-    def push_image() -> Image:
-        (tmp_path / "content").write_bytes(os.urandom(64))
-        subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(tmp_path / "layer.tar"), "content"], check=True)
-        crane("append", "-f", str(tmp_path / "layer.tar"), "-t", f"{repository}:v1")
-        return Image(repository, "v1", crane("digest", f"{repository}:v1").strip())
-
-    return push_image
 
 
 def inspect(image: str, key: Path, *args: str):
     return imagebuild("inspect", "--key", str(key), image, *args, timeout=180)
-
-
-def crane(*args: str) -> str:
-    run = subprocess.run([tool("crane"), *args, "--insecure"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"crane {' '.join(args)}: {run.stderr}"
-    return run.stdout
-
-
-def verified_statements(cosign: Cosign, image: str, key: Path, cosign_type: str) -> list[dict]:
-    run = cosign.run("verify-attestation", "--key", str(key), *OFFLINE, "--type", cosign_type, image)
-    assert run.returncode == 0, f"cosign verify-attestation --type {cosign_type} {image}: {run.stderr[-2000:]}"
-    return [json.loads(base64.b64decode(json.loads(line)["payload"])) for line in run.stdout.splitlines() if line]
 
 
 def copy_of(image: str) -> Image:
@@ -85,14 +38,6 @@ def copy_of(image: str) -> Image:
     for suffix in ("sig", "att"):
         crane("copy", f"{source}:{digest.replace(':', '-')}.{suffix}", f"{repository}:{digest.replace(':', '-')}.{suffix}")
     return Image(repository, "v1", digest)
-
-
-def attest(cosign: Cosign, image: Image, key: KeyPair, predicate_type: str, predicate: dict, tmp_path: Path) -> None:
-    path = tmp_path / f"predicate-{uuid.uuid4().hex[:6]}.json"
-    path.write_text(json.dumps(predicate))
-    run = cosign.run("attest", "--key", str(key.private), "--tlog-upload=false", *OFFLINE[1:], "--yes", "--replace",
-                     "--type", predicate_type, "--predicate", str(path), image.by_digest, password=key.password)
-    assert run.returncode == 0, run.stderr
 
 
 def rewrite_attestation(image: Image, predicate_type: str, change) -> None:
@@ -172,13 +117,13 @@ def test_cosign_verify_attestation_independently_agrees_with_inspect(signed_exam
     for image in signed_example.images:
         shown = inspect(image, signed_example.public_key, "--format", "json").json()
         hex_digest = image.split("@sha256:", 1)[1]
-        [provenance] = verified_statements(cosign_cli, image, signed_example.public_key, "slsaprovenance1")
+        [provenance] = cosign_cli.statements(image, signed_example.public_key, "slsaprovenance1")
         assert provenance["predicateType"] == "https://slsa.dev/provenance/v1"
         assert [s["digest"]["sha256"] for s in provenance["subject"]] == [hex_digest]
         assert provenance["predicate"] == shown["provenance"]
         jsonschema.validate(provenance["predicate"], PREDICATE_SCHEMA)
         assert provenance["predicate"]["buildDefinition"]["buildType"] == BUILD_TYPE
-        [release] = verified_statements(cosign_cli, image, signed_example.public_key, PREDICATE_RELEASE)
+        [release] = cosign_cli.statements(image, signed_example.public_key, PREDICATE_RELEASE)
         assert release["predicate"] == shown["release"]
         assert release["predicate"]["provenance"]["sha256"] == canonical_sha256(provenance["predicate"])
 
@@ -191,12 +136,12 @@ def test_a_release_record_replaced_by_one_signed_with_another_key_is_reported(
     image = copy_of(signed_example.images[0])
     release = inspect(image.by_digest, signed_example.public_key, "--format", "json").json()["release"]
     release["gate"]["exceptions_applied"] = []  # a "cleaner" record, from someone else
-    attest(cosign_cli, image, other_key, PREDICATE_RELEASE, release, tmp_path)
+    cosign_cli.attest(image, other_key, PREDICATE_RELEASE, release, tmp_path, "--replace")
     stderr = refusals(inspect(image.by_digest, signed_example.public_key))
     assert "no verified release attestation" in stderr
     assert "not signed by any configured key (it claims to be release)" in stderr
     # cosign sees the same: nothing of that type verifies with our key.
-    run = cosign_cli.run("verify-attestation", "--key", str(signed_example.public_key), *OFFLINE,
+    run = cosign_cli.run("verify-attestation", "--key", str(signed_example.public_key), *COSIGN_VERIFY_OFFLINE,
                          "--type", PREDICATE_RELEASE, image.by_digest)
     assert run.returncode != 0
 
@@ -216,7 +161,7 @@ def test_a_provenance_edited_after_signing_or_stripped_of_its_signature_is_repor
         assert "no verified provenance attestation" in stderr
         assert "not signed by any configured key (it claims to be provenance)" in stderr
         assert "9.9.9" not in stderr
-        run = cosign_cli.run("verify-attestation", "--key", str(signed_example.public_key), *OFFLINE,
+        run = cosign_cli.run("verify-attestation", "--key", str(signed_example.public_key), *COSIGN_VERIFY_OFFLINE,
                              "--type", "slsaprovenance1", image.by_digest)
         assert run.returncode != 0, f"cosign accepted the {change.__name__} provenance"
         # A verifier that requires provenance refuses it too.
@@ -258,9 +203,9 @@ def test_a_signed_provenance_of_another_build_system_is_refused_when_provenance_
     cosign_cli.sign(image, our_key)
     foreign = inspect(signed_example.images[0], our_key.public, "--format", "json").json()["provenance"]
     foreign["buildDefinition"]["buildType"] = "https://example.com/another-builder/v1"
-    attest(cosign_cli, image, our_key, PREDICATE_PROVENANCE, foreign, tmp_path)
+    cosign_cli.attest(image, our_key, PREDICATE_PROVENANCE, foreign, tmp_path, "--replace")
     # cosign only checks the signature: it accepts the statement...
-    assert verified_statements(cosign_cli, image.by_digest, our_key.public, "slsaprovenance1")
+    assert cosign_cli.statements(image.by_digest, our_key.public, "slsaprovenance1")
     # ...imagebuild also requires imagebuild's build type.
     refused = imagebuild("verify", "--key", str(our_key.public), "--require-provenance", image.by_digest)
     assert refused.returncode == 1 and "buildType" in refused.stderr and BUILD_TYPE in refused.stderr

@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import subprocess
-import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,8 @@ import httpx
 import pytest
 
 from .conftest import COSIGN_PUB, STAGING, Run, imagebuild, unique
-from .oci_servers import Fault, FlakyProxy, TokenIssuer, htpasswd, require_tool, run, start_distribution
+from .oci_servers import Fault, FlakyProxy, TokenIssuer, htpasswd, run, start_distribution
+from .tools import Cosign, push_tiny_image, skopeo_digest
 
 REGION = "127.0.0.1:5001"
 ROBOT = "robot$imagebuild+ci"  # Harbor's robot naming: `$` and `+` must survive the docker config
@@ -65,24 +65,9 @@ def own_blob_location_cache(tmp_path_factory):
         os.environ["IMAGEBUILD_CACHE_DIR"] = before
 
 
-@pytest.fixture(scope="module")
-def tools() -> dict[str, str]:
-    hint = "run scripts/bootstrap.sh (crane and cosign in /opt/imagebuild-tools/bin, skopeo from Debian)"
-    os.environ["PATH"] = f"/opt/imagebuild-tools/bin:{os.environ['PATH']}"
-    return {name: require_tool(name, hint) for name in ("crane", "skopeo", "cosign")}
-
-
-def skopeo_digest(tools, ref: str, env: dict | None = None) -> str:
-    done = run([tools["skopeo"], "inspect", "--tls-verify=false", "--format", "{{.Digest}}", f"docker://{ref}"],
-               env={**os.environ, **(env or {})})
-    return done.stdout.strip()
-
-
-def cosign_verified_digest(tools, ref: str, env: dict | None = None) -> str:
+def cosign_verified_digest(cosign_cli: Cosign, ref: str, env: dict | None = None) -> str:
     """The digest the signature names, as cosign itself verifies it with the bootstrap key."""
-    done = run([tools["cosign"], "verify", "--key", str(COSIGN_PUB), "--insecure-ignore-tlog",
-                "--allow-http-registry", "--allow-insecure-registry", ref], env={**os.environ, **(env or {})})
-    [claim] = {c["critical"]["image"]["docker-manifest-digest"] for c in json.loads(done.stdout)}
+    [claim] = {c["critical"]["image"]["docker-manifest-digest"] for c in cosign_cli.verified(ref, COSIGN_PUB, env=env)}
     return claim
 
 
@@ -148,7 +133,7 @@ def release(signed_example, tmp_path_factory) -> Release:
     return Release(workdir, to, f"{project}/paddle", push(workdir, to))
 
 
-def test_push_tags_each_signed_image_in_its_release_repository_after_auditing_it_there(release, tools):
+def test_push_tags_each_signed_image_in_its_release_repository_after_auditing_it_there(release, tools, cosign_cli):
     rows = pushed(release.result)
     report = release.report
     assert set(rows) == {v["id"] for v in report["variants"]}
@@ -168,7 +153,7 @@ def test_push_tags_each_signed_image_in_its_release_repository_after_auditing_it
         assert {t.rsplit(".", 1)[1] for t in record["signature_tags"]} == {"sig", "att"}
         for tag in variant["tags"]:
             ref = f"{release.to}/paddle:{tag}"
-            assert skopeo_digest(tools, ref) == cosign_verified_digest(tools, ref) == variant["digest"]
+            assert skopeo_digest(tools["skopeo"], ref) == cosign_verified_digest(cosign_cli, ref) == variant["digest"]
     no_secret(release.result.stdout, release.result.stderr, json.dumps(report))
     assert not (release.workdir / "audit.jsonl").exists()
 
@@ -191,7 +176,8 @@ def blob_present(host: str, repository: str, digest: str) -> bool:
     return httpx.head(f"http://{host}/v2/{repository}/blobs/{digest}", timeout=30).status_code == 200
 
 
-def test_the_release_promoted_to_a_second_registry_verifies_there_with_cosign_and_skopeo(release, tools, tmp_path):
+def test_the_release_promoted_to_a_second_registry_verifies_there_with_cosign_and_skopeo(
+        release, tools, cosign_cli, tmp_path):
     target = f"{REGION}/{release.repository}"
     for variant in release.report["variants"]:
         [tag] = variant["tags"]
@@ -209,7 +195,7 @@ def test_the_release_promoted_to_a_second_registry_verifies_there_with_cosign_an
         assert moved["blobs_uploaded"] >= len(lacking) and moved["bytes_uploaded"] >= sum(lacking.values()) > 0
         assert moved["blobs_present"] >= len(blobs) - len(lacking)
         ref = f"{target}:{tag}"
-        assert skopeo_digest(tools, ref) == cosign_verified_digest(tools, ref) == variant["digest"]
+        assert skopeo_digest(tools["skopeo"], ref) == cosign_verified_digest(cosign_cli, ref) == variant["digest"]
         no_secret(result.stdout, result.stderr)
 
 
@@ -231,20 +217,10 @@ def test_push_refuses_a_variant_the_report_does_not_show_signed(signed_example, 
     assert tag_digest(STAGING, f"{to.split('/', 1)[1]}/paddle", unsigned["tags"][0]) is None
 
 
-def crane_image(tools, tmp_path: Path, reference: str) -> str:
-    payload = tmp_path / "payload.bin"
-    payload.write_bytes(os.urandom(256))
-    archive = tmp_path / "payload.tar"
-    with tarfile.open(archive, "w") as tar:
-        tar.add(payload, arcname="payload.bin")
-    run([tools["crane"], "append", "--insecure", "-f", str(archive), "-t", reference])
-    return run([tools["crane"], "digest", "--insecure", reference]).stdout.strip()
-
-
-def test_push_verifies_the_signature_in_the_source_because_a_report_can_lie(signed_example, tools, tmp_path):
+def test_push_verifies_the_signature_in_the_source_because_a_report_can_lie(signed_example, tmp_path):
     """A report edited to name an unsigned image, with every stage claiming it passed for it, is refused."""
     repository = f"{unique('e2e-push-unsigned')}/paddle"
-    digest = crane_image(tools, tmp_path, f"{STAGING}/{repository}:unsigned")
+    digest = push_tiny_image(tmp_path, f"{STAGING}/{repository}:unsigned")
     report_path = signed_example.copy(tmp_path / "work")
     data = json.loads(report_path.read_text())
     variant = cpu_variant(data)
@@ -395,7 +371,7 @@ def token_auth_registry(tmp_path_factory, robot_password):
 
 @pytest.mark.parametrize("kind", ["htpasswd", "token"])
 def test_push_to_an_authenticated_registry_with_credentials_from_the_docker_config(
-        kind, release, request, robot_password, tools, tmp_path):
+        kind, release, request, robot_password, tools, cosign_cli, tmp_path):
     host = request.getfixturevalue("basic_auth_registry" if kind == "htpasswd" else "token_auth_registry")
     cpu = cpu_variant(release.report)
     workdir = tmp_path / "work"
@@ -416,8 +392,8 @@ def test_push_to_an_authenticated_registry_with_credentials_from_the_docker_conf
     assert row["action"] == "pushed" and row["bytes_uploaded"] > 0 and row["audit"]["passed"]
     [tag] = cpu["tags"]
     creds = {"REGISTRY_AUTH_FILE": str(tmp_path / "right" / "config.json"), **env}
-    assert skopeo_digest(tools, f"{host}/release/paddle:{tag}", env=creds) == cpu["digest"]
-    assert cosign_verified_digest(tools, f"{host}/release/paddle:{tag}", env=creds) == cpu["digest"]
+    assert skopeo_digest(tools["skopeo"], f"{host}/release/paddle:{tag}", env=creds) == cpu["digest"]
+    assert cosign_verified_digest(cosign_cli, f"{host}/release/paddle:{tag}", env=creds) == cpu["digest"]
     no_secret(right.stdout, right.stderr, (workdir / "build-report.json").read_text(), secrets=(robot_password,))
 
 

@@ -16,29 +16,20 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO_ROOT
-from .conftest import EXAMPLE_POLICY, KEYS, STAGING, imagebuild, unique
+from .conftest import EXAMPLE_POLICY, REGIONS, STAGING, imagebuild, require_registry, unique
+from .tools import KEYS
 
-REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 NEWS = {"ecosystem": "pypi", "id": "CVE-2099-41001", "package": "paddlepaddle", "vulnerable": ["<99.0"],
         "patched": ["99.0"], "severity": "CRITICAL", "title": "paddlepaddle: an advisory published after the release",
         "description": "A test advisory: every paddlepaddle before 99.0 is affected.",
         "published": "2026-11-30T00:00:00Z"}
 
 
-def region_up(host: str) -> None:
-    import httpx
-
-    try:
-        httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
-    except httpx.HTTPError as exc:
-        pytest.fail(f"the region registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
-
-
 @pytest.fixture(scope="module")
 def deployed(signed_example, tmp_path_factory) -> dict:
     """A release of its own (regions, state repository), each example image rolled out to its channel."""
     for host in REGIONS.values():
-        region_up(host)
+        require_registry(host, "region registry")
     folder = tmp_path_factory.mktemp("quarantine")
     name = unique("quarantine")
     (folder / "trust.yaml").write_text(textwrap.dedent(f"""\

@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import tarfile
 import textwrap
 import time
 import uuid
@@ -28,54 +27,23 @@ from imagebuild.trust import load_trust_config
 from imagebuild.verify import Verifier
 
 from ..conftest import REPO_ROOT
+from .conftest import REGIONS, STAGING, require_registry
 from .rollout_harness import free_port, unique_metric
-
-STAGING = "127.0.0.1:5000"
-REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
-KEYS = Path("/var/lib/imagebuild/keys")
-TOOLS = Path("/opt/imagebuild-tools/bin")
-
-
-def tool(name: str) -> str:
-    path = TOOLS / name
-    if not path.exists():
-        pytest.fail(f"{path} is missing; run scripts/bootstrap.sh", pytrace=False)
-    return str(path)
+from .tools import KEYS, Cosign, bootstrap_key, push_tiny_image, tool
 
 
 @pytest.fixture(scope="module", autouse=True)
 def registries_up():
     for host in [STAGING, *REGIONS.values()]:
-        try:
-            httpx.get(f"http://{host}/v2/", timeout=5).raise_for_status()
-        except httpx.HTTPError as exc:
-            pytest.fail(f"registry {host} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
-    if not (KEYS / "cosign.key").exists():
-        pytest.fail(f"{KEYS}/cosign.key is missing; run scripts/bootstrap.sh", pytrace=False)
-
-
-def cosign_env() -> dict[str, str]:
-    return {**os.environ, "COSIGN_PASSWORD": (KEYS / "cosign.password").read_text().strip()}
+        require_registry(host)
+    bootstrap_key()  # fails, saying how to make it, without bootstrap's key pair
 
 
 def make_image(tmp_path: Path, registry: str, repository: str, tag: str, *, sign: bool = True) -> str:
     """A one-file image pushed with crane (unique content, so a unique digest), signed with cosign; its digest."""
-    layer_dir = tmp_path / f"layer-{uuid.uuid4().hex[:8]}"
-    layer_dir.mkdir()
-    (layer_dir / "hello.txt").write_text(f"rollout test {uuid.uuid4()}\n")
-    tar = layer_dir / "layer.tar"
-    with tarfile.open(tar, "w") as archive:
-        archive.add(layer_dir / "hello.txt", arcname="hello.txt")
-    ref = f"{registry}/{repository}:{tag}"
-    subprocess.run([tool("crane"), "append", "--insecure", "-f", str(tar), "-t", ref], check=True,
-                   capture_output=True, timeout=120)
-    digest = subprocess.run([tool("crane"), "digest", "--insecure", ref], check=True, capture_output=True,
-                            text=True, timeout=60).stdout.strip()
+    digest = push_tiny_image(tmp_path, f"{registry}/{repository}:{tag}")
     if sign:
-        subprocess.run([tool("cosign"), "sign", "--key", str(KEYS / "cosign.key"), "--tlog-upload=false",
-                        "--allow-http-registry", "--allow-insecure-registry", "--yes",
-                        f"{registry}/{repository}@{digest}"], check=True, capture_output=True, env=cosign_env(),
-                       timeout=120)
+        Cosign(tool("cosign")).sign(f"{registry}/{repository}@{digest}", bootstrap_key())
     return digest
 
 
@@ -262,7 +230,7 @@ def test_a_rollout_goes_canary_first_passes_its_gates_then_reaches_the_rest(tmp_
         *((region, "2.6-gpu", None, digest) for region in REGIONS)}
     assert all(e["who"]["user"] and e["at"] for e in moves)
     text = (setup.state_dir / "audit.jsonl").read_text()
-    assert cosign_env()["COSIGN_PASSWORD"] not in text
+    assert bootstrap_key().password not in text
 
 
 def test_an_image_that_does_not_verify_in_staging_is_refused_before_anything_moves(tmp_path):

@@ -2,10 +2,7 @@
 registries with cosign signatures, and the smoke suite in Docker."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import tarfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +15,7 @@ from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
 from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
 
 from .rollout_harness import HANG, HealthServer, closed_port_url, self_signed_tls, unique_metric
+from .tools import crane, push_tiny_image
 
 EU_WEST = Region("eu-west", "127.0.0.1:5001", "imagebuild/paddle")
 US_EAST = Region("us-east", "127.0.0.1:5002", "imagebuild/paddle")
@@ -178,28 +176,6 @@ def test_approval_is_per_wave():
 
 # --- signatures in the regional registries ---------------------------------------------------------------
 
-CRANE = Path("/opt/imagebuild-tools/bin/crane")
-
-
-def run_tool(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"{' '.join(argv[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    return proc.stdout.strip()
-
-
-def push_tiny_image(tmp_path: Path, ref: str, base: str | None = None) -> str:
-    """A one-layer image holding a unique file (so its digest is new) pushed by crane; its digest."""
-    if not CRANE.is_file():
-        pytest.fail(f"crane missing at {CRANE}; run scripts/bootstrap.sh", pytrace=False)
-    marker = tmp_path / f"marker-{uuid.uuid4().hex}"
-    marker.write_text(marker.name)
-    layer = tmp_path / f"{marker.name}.tar"
-    with tarfile.open(layer, "w") as tar:
-        tar.add(marker, arcname=f"gates/{marker.name}")
-    run_tool(str(CRANE), "append", "--insecure", "-f", str(layer), "-t", ref, *(["-b", base] if base else []))
-    return run_tool(str(CRANE), "digest", "--insecure", ref)
-
-
 @dataclass
 class SignedImages:
     repository: str  # the same repository name in every regional registry
@@ -209,18 +185,15 @@ class SignedImages:
 
 
 @pytest.fixture(scope="module")
-def signed_images(tmp_path_factory, cosign, cosign_keys) -> SignedImages:
+def signed_images(tmp_path_factory, cosign_cli, our_key) -> SignedImages:
     tmp = tmp_path_factory.mktemp("gates-images")
     repository = f"imagebuild-e2e/gates-{uuid.uuid4().hex[:10]}"
     signed = push_tiny_image(tmp, f"{EU_WEST.registry}/{repository}:signed")
     unsigned = push_tiny_image(tmp, f"{EU_WEST.registry}/{repository}:unsigned")
-    run_tool(cosign, "sign", "--key", str(cosign_keys["key"]), "--tlog-upload=false", "--allow-http-registry",
-             "--allow-insecure-registry", "--yes", f"{EU_WEST.registry}/{repository}@{signed}",
-             env={"COSIGN_PASSWORD": cosign_keys["password"]})
+    cosign_cli.sign(f"{EU_WEST.registry}/{repository}@{signed}", our_key)
     # us-east gets the image but not its signature (a copy by digest of the manifest alone).
-    run_tool(str(CRANE), "copy", "--insecure", f"{EU_WEST.registry}/{repository}@{signed}",
-             f"{US_EAST.registry}/{repository}:signed")
-    trust = trust_config_for_keys([cosign_keys["pub"]], images=["127.0.0.1:*/imagebuild-e2e/**"])
+    crane("copy", f"{EU_WEST.registry}/{repository}@{signed}", f"{US_EAST.registry}/{repository}:signed")
+    trust = trust_config_for_keys([our_key.public], images=["127.0.0.1:*/imagebuild-e2e/**"])
     return SignedImages(repository, signed, unsigned, trust)
 
 
@@ -289,7 +262,7 @@ def paddle_in_eu_west(built_example) -> tuple[Region, str]:
     """The example's CPU image copied by digest to the eu-west registry."""
     [image] = [v["image"] for v in built_example.report["variants"] if v["id"] == CPU_VARIANT]
     digest = image.split("@", 1)[1]
-    run_tool(str(CRANE), "copy", "--insecure", image, f"{EU_WEST.registry}/{PADDLE_IN_REGION}:cpu", timeout=1800)
+    crane("copy", image, f"{EU_WEST.registry}/{PADDLE_IN_REGION}:cpu", timeout=1800)
     return Region(EU_WEST.name, EU_WEST.registry, PADDLE_IN_REGION), digest
 
 
@@ -310,8 +283,8 @@ def test_smoke_gate_passes_the_example_paddle_image_pulled_from_the_region(paddl
 def test_smoke_gate_fails_naming_the_tests_when_the_image_is_not_what_its_labels_say(paddle_in_eu_west,
                                                                                      smoke_workdir):
     region, digest = paddle_in_eu_west
-    mislabelled = run_tool(str(CRANE), "mutate", "--insecure", "--label", "io.imagebuild.paddle.version=0.0.1",
-                           "-t", f"{region.registry}/{PADDLE_IN_REGION}:mislabelled", region.image(digest))
+    mislabelled = crane("mutate", "--label", "io.imagebuild.paddle.version=0.0.1",
+                        "-t", f"{region.registry}/{PADDLE_IN_REGION}:mislabelled", region.image(digest)).strip()
     digest = mislabelled.rsplit("@", 1)[1]
     result = evaluate(SmokeGate(tier="abi"), context(region, image=region.image(digest), digest=digest,
                                                      workdir=smoke_workdir))

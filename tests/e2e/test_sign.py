@@ -6,7 +6,6 @@ a copy of an example image in a repository of their own, so the shared example s
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -30,28 +29,12 @@ from imagebuild.registry import ImageRef, Registry
 
 from .conftest import REPO, STAGING, imagebuild, sign_workdir, unique
 
-OFFLINE_VERIFY = ["--insecure-ignore-tlog", "--allow-http-registry", "--allow-insecure-registry"]
 ATTESTATION_TYPES = {  # cosign --type -> the predicateType it must carry
     "cyclonedx": PREDICATE_SBOM,
     "vuln": PREDICATE_VULN,
     PREDICATE_SMOKE: PREDICATE_SMOKE,
     PREDICATE_GATE: PREDICATE_GATE,
 }
-
-
-def cosign_verify(cosign: str, image: str, public_key: Path) -> list[dict]:
-    proc = subprocess.run([cosign, "verify", "--key", str(public_key), *OFFLINE_VERIFY, image],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"cosign verify {image}: {proc.stderr[-2000:]}"
-    return json.loads(proc.stdout)
-
-
-def cosign_attestations(cosign: str, image: str, public_key: Path, cosign_type: str) -> list[dict]:
-    """The in-toto statements `cosign verify-attestation --type` accepts, decoded."""
-    proc = subprocess.run([cosign, "verify-attestation", "--key", str(public_key), *OFFLINE_VERIFY,
-                           "--type", cosign_type, image], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"cosign verify-attestation --type {cosign_type} {image}: {proc.stderr[-2000:]}"
-    return [json.loads(base64.b64decode(json.loads(line)["payload"])) for line in proc.stdout.splitlines() if line]
 
 
 def digest_of(image: str) -> str:
@@ -72,20 +55,20 @@ def variant_for(report: dict, image: str) -> dict:
 # --- the signed example verifies with plain cosign ------------------------------------------------
 
 
-def test_both_example_images_are_signed_and_verify_with_plain_cosign(signed_example, cosign):
+def test_both_example_images_are_signed_and_verify_with_plain_cosign(signed_example, cosign_cli):
     assert len(signed_example.images) == 2
     for image in signed_example.images:
-        verified = cosign_verify(cosign, image, signed_example.public_key)
+        verified = cosign_cli.verified(image, signed_example.public_key)
         assert {v["critical"]["image"]["docker-manifest-digest"] for v in verified} == {digest_of(image)}
 
 
 @pytest.mark.parametrize("cosign_type", list(ATTESTATION_TYPES))
 def test_each_attestation_verifies_with_cosign_verify_attestation_and_names_the_digest(
-        signed_example, cosign, cosign_type):
+        signed_example, cosign_cli, cosign_type):
     for image in signed_example.images:
         digest = digest_of(image)
         variant = variant_for(signed_example.report, image)
-        statements = cosign_attestations(cosign, image, signed_example.public_key, cosign_type)
+        statements = cosign_cli.statements(image, signed_example.public_key, cosign_type)
         assert len(statements) == 1, "a rerun or a second attest must replace, not add"
         statement = statements[0]
         assert statement["predicateType"] == ATTESTATION_TYPES[cosign_type]
@@ -220,13 +203,13 @@ def delete_tag_manifest(image: str, suffix: str) -> None:
     httpx.delete(f"http://{ref.registry}/v2/{ref.repository}/manifests/{manifest}", timeout=30).raise_for_status()
 
 
-def test_a_deleted_signature_is_signed_again_on_rerun(signed_example, cosign, cosign_keys, tmp_path):
+def test_a_deleted_signature_is_signed_again_on_rerun(signed_example, cosign_cli, cosign_keys, tmp_path):
     report_path, variant = own_copy(signed_example, tmp_path)
     only = ("--only", variant["id"])
     first = sign_workdir(report_path.parent, cosign_keys["key"], cosign_keys["password"], *only, "--format", "json")
     assert first.returncode == 0, first.stderr
     assert [r["action"] for r in first.json()["variants"]] == ["signed"]
-    cosign_verify(cosign, variant["image"], signed_example.public_key)
+    cosign_cli.verified(variant["image"], signed_example.public_key)
 
     delete_tag_manifest(variant["image"], "sig")
     assert tag_digest(variant["image"], "sig") is None
@@ -234,10 +217,10 @@ def test_a_deleted_signature_is_signed_again_on_rerun(signed_example, cosign, co
     again = sign_workdir(report_path.parent, cosign_keys["key"], cosign_keys["password"], *only, "--format", "json")
     assert again.returncode == 0, again.stderr
     assert [r["action"] for r in again.json()["variants"]] == ["signed"]
-    cosign_verify(cosign, variant["image"], signed_example.public_key)
+    cosign_cli.verified(variant["image"], signed_example.public_key)
 
 
-def test_an_interrupted_sign_leaves_a_state_a_rerun_finishes(signed_example, cosign, cosign_keys, tmp_path):
+def test_an_interrupted_sign_leaves_a_state_a_rerun_finishes(signed_example, cosign, cosign_cli, cosign_keys, tmp_path):
     """SIGTERM while cosign attests: exit 143, the variant recorded as interrupted, and a rerun completes it."""
     report_path, variant = own_copy(signed_example, tmp_path)
     slow = tmp_path / "slow-cosign"  # the real cosign, made to pause before each attest so the signal lands there
@@ -263,25 +246,23 @@ def test_an_interrupted_sign_leaves_a_state_a_rerun_finishes(signed_example, cos
     assert rerun.returncode == 0, rerun.stderr
     assert variant_for(json.loads(report_path.read_text()), variant["image"])["stages"]["sign"]["status"] == "passed"
     for cosign_type in ATTESTATION_TYPES:
-        assert len(cosign_attestations(cosign, variant["image"], signed_example.public_key, cosign_type)) == 1
+        assert len(cosign_cli.statements(variant["image"], signed_example.public_key, cosign_type)) == 1
 
 
 # --- secrets ---------------------------------------------------------------------------------------
 
 
-def test_the_key_password_appears_in_no_log_report_or_attestation(signed_example, cosign, secret_canary, tmp_path):
+def test_the_key_password_appears_in_no_log_report_or_attestation(signed_example, cosign_cli, secret_canary, tmp_path):
     """A key pair of the test's own whose password is a canary; everything sign leaves behind is searched."""
     password = f"{secret_canary['marker']}-cosign-password"
     keys = tmp_path / "keys"
     keys.mkdir()
-    made = subprocess.run([cosign, "generate-key-pair"], cwd=keys, env={**os.environ, "COSIGN_PASSWORD": password},
-                          capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
+    key = cosign_cli.generate_key_pair(keys, password)
     report_path, variant = own_copy(signed_example, tmp_path)
 
     # First a failing run, whose cosign output is logged and printed: the wrong password for this key.
-    wrong = sign_workdir(report_path.parent, keys / "cosign.key", password + "-wrong", "--only", variant["id"])
-    run = sign_workdir(report_path.parent, keys / "cosign.key", password, "--only", variant["id"], "--format", "json")
+    wrong = sign_workdir(report_path.parent, key.private, password + "-wrong", "--only", variant["id"])
+    run = sign_workdir(report_path.parent, key.private, password, "--only", variant["id"], "--format", "json")
     assert run.returncode == 0, run.stderr
 
     texts = {"sign stdout": run.stdout, "sign stderr": run.stderr, "failed stdout": wrong.stdout,
@@ -290,9 +271,9 @@ def test_the_key_password_appears_in_no_log_report_or_attestation(signed_example
         if path.is_file():
             texts[str(path)] = path.read_text(encoding="utf-8", errors="replace")
     for cosign_type in ATTESTATION_TYPES:
-        statements = cosign_attestations(cosign, variant["image"], keys / "cosign.pub", cosign_type)
+        statements = cosign_cli.statements(variant["image"], key.public, cosign_type)
         texts[f"attestation {cosign_type}"] = json.dumps(statements)
-    texts["signature"] = json.dumps(cosign_verify(cosign, variant["image"], keys / "cosign.pub"))
+    texts["signature"] = json.dumps(cosign_cli.verified(variant["image"], key.public))
     assert len(texts) > 15
     for canary in (password, secret_canary["password"], secret_canary["marker"]):
         leaked = [name for name, text in texts.items() if canary in text]

@@ -6,163 +6,16 @@ same image. Nothing is mocked.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
-import yaml
 
-from .conftest import REPO, STAGING, imagebuild
+from .conftest import REPO, STAGING, imagebuild, require_registry, trust_config
+from .tools import TYPES, Cosign, Image, KeyPair, crane
 
-KEYS = Path("/var/lib/imagebuild/keys")
 OUTSIDE = "127.0.0.1:5001"  # another local registry, outside the test policies' images
-TYPES = {
-    "sbom": "https://cyclonedx.org/bom",
-    "vuln": "https://cosign.sigstore.dev/attestation/vuln/v1",
-    "smoke": "https://imagebuild.dev/attestations/smoke/v1",
-    "gate": "https://imagebuild.dev/attestations/gate/v1",
-}
-COSIGN_TYPE_FLAG = {"sbom": "cyclonedx", "vuln": "vuln", "smoke": TYPES["smoke"], "gate": TYPES["gate"]}
-
-
-def tool(name: str) -> str:
-    from imagebuild.tools import TOOLS_DIR
-
-    path = TOOLS_DIR / name
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing; run scripts/bootstrap.sh", pytrace=False)
-    return str(path)
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    private: Path
-    public: Path
-    password: str
-
-
-@dataclass(frozen=True)
-class Image:
-    repository: str  # registry/repository
-    tag: str
-    digest: str
-
-    @property
-    def by_tag(self) -> str:
-        return f"{self.repository}:{self.tag}"
-
-    @property
-    def by_digest(self) -> str:
-        return f"{self.repository}@{self.digest}"
-
-    def signature_tag(self, suffix: str = ".sig") -> str:
-        return self.digest.replace(":", "-") + suffix
-
-
-class Cosign:
-    """The real cosign, offline: no transparency log, plain-http loopback registries."""
-
-    def __init__(self) -> None:
-        self.path = tool("cosign")
-
-    def run(self, *args: str, password: str = "") -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "COSIGN_PASSWORD": password}
-        return subprocess.run([self.path, *args], env=env, capture_output=True, text=True, timeout=120)
-
-    def sign(self, image: Image, key: KeyPair) -> None:
-        run = self.run("sign", "--key", str(key.private), "--tlog-upload=false", "--allow-http-registry",
-                       "--allow-insecure-registry", "--yes", image.by_digest, password=key.password)
-        assert run.returncode == 0, run.stderr
-
-    def attest(self, image: Image, key: KeyPair, kind: str, predicate: dict, tmp_path: Path) -> None:
-        path = tmp_path / f"{kind}-{uuid.uuid4().hex[:6]}.json"
-        path.write_text(json.dumps(predicate))
-        run = self.run("attest", "--key", str(key.private), "--tlog-upload=false", "--allow-http-registry",
-                       "--allow-insecure-registry", "--yes", "--type", COSIGN_TYPE_FLAG[kind],
-                       "--predicate", str(path), image.by_digest, password=key.password)
-        assert run.returncode == 0, run.stderr
-
-    def admits(self, ref: str, public: Path) -> bool:
-        run = self.run("verify", "--key", str(public), "--insecure-ignore-tlog", "--allow-insecure-registry",
-                       "--allow-http-registry", ref)
-        return run.returncode == 0
-
-    def admits_attestation(self, ref: str, public: Path, kind: str, rego: Path | None = None) -> bool:
-        policy = ["--policy", str(rego)] if rego else []
-        run = self.run("verify-attestation", "--key", str(public), "--insecure-ignore-tlog",
-                       "--allow-insecure-registry", "--allow-http-registry", "--type", COSIGN_TYPE_FLAG[kind],
-                       *policy, ref)
-        return run.returncode == 0
-
-    def generate_key_pair(self, directory: Path) -> KeyPair:
-        run = subprocess.run([self.path, "generate-key-pair", "--output-key-prefix", str(directory / "other")],
-                             cwd=directory, env={**os.environ, "COSIGN_PASSWORD": ""}, capture_output=True,
-                             text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
-        return KeyPair(directory / "other.key", directory / "other.pub", "")
-
-
-@pytest.fixture(scope="module")
-def cosign_cli() -> Cosign:
-    return Cosign()
-
-
-@pytest.fixture(scope="module")
-def our_key() -> KeyPair:
-    if not (KEYS / "cosign.key").is_file():
-        pytest.fail(f"{KEYS}/cosign.key is missing; run scripts/bootstrap.sh", pytrace=False)
-    return KeyPair(KEYS / "cosign.key", KEYS / "cosign.pub", (KEYS / "cosign.password").read_text().strip())
-
-
-@pytest.fixture
-def other_key(cosign_cli, tmp_path_factory) -> KeyPair:
-    return cosign_cli.generate_key_pair(tmp_path_factory.mktemp("other-key"))
-
-
-@pytest.fixture
-def push(staging_registry, tmp_path):
-    """push(repository=..., tag=...) -> Image: a tiny image of random content (so a digest of its own)."""
-    crane = tool("crane")
-    repository = f"{staging_registry}/verify-e2e/{uuid.uuid4().hex[:10]}"
-
-    def push_image(repository: str = repository, tag: str = "v1") -> Image:
-        layer = tmp_path / "layer"
-        layer.mkdir(exist_ok=True)
-        (layer / "content").write_bytes(os.urandom(64))
-        tarball = tmp_path / "layer.tar"
-        subprocess.run(["tar", "-C", str(layer), "-cf", str(tarball), "content"], check=True)
-        run = subprocess.run([crane, "append", "--insecure", "-f", str(tarball), "-t", f"{repository}:{tag}"],
-                             capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
-        digest = subprocess.run([crane, "digest", "--insecure", f"{repository}:{tag}"], capture_output=True,
-                                text=True, timeout=60, check=True).stdout.strip()
-        return Image(repository, tag, digest)
-
-    return push_image
-
-
-def trust_config(tmp_path: Path, keys: list[Path], images: list[str], **require) -> Path:
-    """A trust config for the test: its keys, the images it covers, the requirements (none by default)."""
-    path = tmp_path / "trust.yaml"
-    path.write_text(yaml.safe_dump({
-        "mode": "enforce",
-        "keys": [{"name": key.stem if key.parent != KEYS else "imagebuild-local", "path": str(key)} for key in keys],
-        "images": images,
-        "require": {"attestations": require.get("attestations", []),
-                    "smoke_passed": require.get("smoke_passed", False),
-                    "gate_passed": require.get("gate_passed", False),
-                    "block_severity": require.get("block_severity")},
-        "failure_policy": "fail",
-        "cache_ttl_seconds": 60,
-        "webhook": {"namespace": "imagebuild-system", "name": "imagebuild-admission", "image": "REF", "port": 8443},
-    }, sort_keys=False))
-    return path
 
 
 def covering(image: Image) -> list[str]:
@@ -253,10 +106,7 @@ def test_a_signature_copied_from_another_image_is_refused_and_cosign_agrees(push
     signed = push(tag="a")
     cosign_cli.sign(signed, our_key)
     unsigned = push(tag="b")
-    copy = subprocess.run([tool("crane"), "copy", "--insecure", f"{signed.repository}:{signed.signature_tag()}",
-                           f"{unsigned.repository}:{unsigned.signature_tag()}"], capture_output=True, text=True,
-                          timeout=60)
-    assert copy.returncode == 0, copy.stderr
+    crane("copy", f"{signed.repository}:{signed.signature_tag()}", f"{unsigned.repository}:{unsigned.signature_tag()}")
     run = verify("--key", str(our_key.public), unsigned.by_tag)
     assert run.returncode == 1
     line = refused_line(run, unsigned.by_tag)
@@ -266,10 +116,7 @@ def test_a_signature_copied_from_another_image_is_refused_and_cosign_agrees(push
 
 def test_an_image_in_a_registry_outside_the_policy_is_refused_though_its_signature_is_good(
         push, cosign_cli, our_key, tmp_path):
-    try:
-        httpx.get(f"http://{OUTSIDE}/v2/", timeout=5).raise_for_status()
-    except httpx.HTTPError as exc:
-        pytest.fail(f"the registry {OUTSIDE} is not answering ({exc}); run scripts/bootstrap.sh", pytrace=False)
+    require_registry(OUTSIDE)
     image = push(repository=f"{OUTSIDE}/verify-e2e/{uuid.uuid4().hex[:10]}")
     cosign_cli.sign(image, our_key)
     config = trust_config(tmp_path, [our_key.public], [f"{STAGING}/verify-e2e/**"])
