@@ -40,11 +40,15 @@ from . import attest, provenance
 from .registry import ImageRef, Registry, RegistryError, base_url
 from .report import BuildReport, GateStage, ScanStage, SignStage, SmokeStage, StageStatus, VariantRecord, record_stage
 from .source import InputError
-from .tools import Result, Runner, ToolMissing, cancel_requested, find_tool
+from .tools import PinnedTool, Result, Runner, cancel_requested, find_pinned
 
 # The pinned cosign; scripts/versions.env says the same (COSIGN_VERSION), a test keeps them equal.
 # The signature layout recorded below (tags beside the image) is cosign v2's.
 COSIGN_VERSION = "v2.6.5"
+COSIGN_TOOL = PinnedTool(
+    "cosign", "IMAGEBUILD_COSIGN", COSIGN_VERSION, ("version", "--json"), "gitVersion",
+    install=f"scripts/bootstrap.sh installs cosign {COSIGN_VERSION} into /opt/imagebuild-tools/bin",
+    why="the signature layout it records and checks is that version's")
 LAYOUT_TAG = "tag"
 KMS_SCHEMES = ("awskms://", "gcpkms://", "azurekms://", "hashivault://", "k8s://")
 PASSWORD_ENV = "COSIGN_PASSWORD"
@@ -180,19 +184,8 @@ class Cosign:
     @classmethod
     def find(cls, runner: Runner | None = None) -> Cosign:
         """The cosign binary, refused unless it is the pinned version."""
-        path = find_tool("cosign", "IMAGEBUILD_COSIGN",
-                         f"scripts/bootstrap.sh installs cosign {COSIGN_VERSION} into /opt/imagebuild-tools/bin")
         runner = runner or Runner()
-        result = runner.run([path, "version", "--json"], env=_clean_env(), timeout=60)
-        try:
-            version = json.loads(result.output[result.output.index("{"):])["gitVersion"]
-        except (ValueError, KeyError, TypeError):
-            raise ToolMissing(f"{path} does not answer `cosign version` ({result.output.strip()[:200]})") from None
-        if version != COSIGN_VERSION:
-            raise ToolMissing(f"{path} is cosign {version}, but imagebuild is pinned to cosign {COSIGN_VERSION} "
-                              "(scripts/versions.env): the signature layout it records and checks is that "
-                              "version's. Install the pinned one (scripts/bootstrap.sh) or point IMAGEBUILD_COSIGN "
-                              "at it.")
+        path, version = find_pinned(COSIGN_TOOL, runner, _clean_env())
         return cls(path, version, runner)
 
     def run(self, argv: list[str], *, secrets: Iterable[str], log: Path | None, timeout: float) -> Result:
