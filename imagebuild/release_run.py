@@ -325,7 +325,8 @@ class ReleaseRun:
         for o in outcomes:
             if o.action == "signed":
                 self.work["signed"] += 1
-                cell = Cell(Outcome.DONE, "signed", f"{len(o.record.attestations)} attestations")
+                reused = "; signature already there, reused" if o.record.signature_reused else ""
+                cell = Cell(Outcome.DONE, "signed", f"{len(o.record.attestations)} attestations{reused}")
             elif o.action == "skipped":
                 cell = Cell(Outcome.REUSED, "already signed", f"{len(o.record.attestations)} attestations")
             else:

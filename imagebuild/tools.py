@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import json
 import os
 import selectors
 import shutil
@@ -52,6 +53,34 @@ def find_tool(name: str, env_var: str, hint: str) -> str:
     if not candidates:
         raise ToolMissing(f"{name} not found on PATH or in {TOOLS_DIR}: {hint}")
     return candidates[0]
+
+
+@dataclass(frozen=True)
+class PinnedTool:
+    """A tool imagebuild runs at one version only, and how to ask it which it is (JSON on stdout)."""
+
+    name: str
+    env_var: str  # points at another binary of the tool
+    version: str  # the pin, as scripts/versions.env says it
+    version_argv: tuple[str, ...]  # arguments that print the version as JSON
+    version_key: str  # the JSON key holding it
+    install: str  # how to get it (the hint when it is missing)
+    why: str  # what depends on this very version (said when another one is found)
+
+
+def find_pinned(tool: PinnedTool, runner: Runner, env: dict[str, str | None] | None = None) -> tuple[str, str]:
+    """(path, version) of the tool; ToolMissing when absent, mute, or another version than the pin."""
+    path = find_tool(tool.name, tool.env_var, tool.install)
+    result = runner.run([path, *tool.version_argv], env=env, timeout=60)
+    try:
+        version = json.loads(result.output[result.output.index("{"):])[tool.version_key]
+    except (ValueError, KeyError, TypeError):
+        raise ToolMissing(f"{path} does not answer `{tool.name} version` ({result.output.strip()[:200]})") from None
+    if version != tool.version:
+        raise ToolMissing(f"{path} is {tool.name} {version}, but imagebuild is pinned to {tool.name} {tool.version} "
+                          f"(scripts/versions.env): {tool.why}. Install the pinned one (scripts/bootstrap.sh) "
+                          f"or point {tool.env_var} at it.")
+    return path, str(version)
 
 
 @lru_cache(maxsize=1)

@@ -10,6 +10,7 @@ import pytest
 
 from imagebuild import attest, sign
 from imagebuild.source import InputError
+from imagebuild.tools import ToolMissing
 
 from .conftest import REPO_ROOT, run_imagebuild
 from .test_scan_units import versions_env
@@ -22,6 +23,24 @@ COSIGN = "/opt/imagebuild-tools/bin/cosign"
 
 def test_the_pinned_cosign_is_the_one_bootstrap_installs():
     assert sign.COSIGN_VERSION == versions_env()["COSIGN_VERSION"]
+
+
+def stand_in(tmp_path: Path, answer: str) -> Path:
+    """An executable that prints ANSWER whatever it is asked (as `cosign version --json` would)."""
+    path = tmp_path / "cosign"
+    path.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("answer, message", [
+    ('{"gitVersion": "v2.4.1"}', r"is cosign v2\.4\.1, but imagebuild is pinned to cosign v2\.6\.5 .*IMAGEBUILD_COSIGN"),
+    ("cosign: unknown flag --json", r"does not answer `cosign version` \(cosign: unknown flag --json\)"),
+], ids=["another-version", "no-json"])
+def test_another_or_a_mute_cosign_is_refused_with_the_pin_named(tmp_path, monkeypatch, answer, message):
+    monkeypatch.setenv("IMAGEBUILD_COSIGN", str(stand_in(tmp_path, answer)))
+    with pytest.raises(ToolMissing, match=message):
+        sign.Cosign.find()
 
 
 def test_key_based_signing_of_a_loopback_image_is_offline_by_digest():

@@ -52,7 +52,8 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     with the exceptions it applied, and the release record: SLSA v1 provenance of the build
     and imagebuild's release predicate (see `imagebuild inspect`). The signature is checked in the registry (the
     `sha256-<hex>.sig` tag) and recorded in the build report (stages.sign); a rerun skips what
-    is still signed. Exit 1 when any image was refused or failed.
+    is still signed, and a signature this key already made for the digest (an earlier run's, in
+    another workdir) is reused rather than added again. Exit 1 when any image was refused or failed.
 
     \b
     Examples:
@@ -119,7 +120,8 @@ def print_outcomes(outcomes: list[signing.SignOutcome]) -> None:
         table.add_column(column, overflow="fold")
     for o in outcomes:
         signed = o.action in ("signed", "skipped")
-        table.add_row(o.variant, {"skipped": "already signed"}.get(o.action, o.action), (o.digest or "")[:19],
+        result = "signed (signature reused)" if o.action == "signed" and o.record.signature_reused else o.action
+        table.add_row(o.variant, {"skipped": "already signed"}.get(o.action, result), (o.digest or "")[:19],
                       str(len(o.record.attestations)) if signed else "-",
                       (o.record.signature if signed else o.record.reason) or "")
     stdout.print(table)

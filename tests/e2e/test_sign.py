@@ -180,17 +180,22 @@ def test_sign_refuses_unless_smoke_and_gate_passed_on_this_digest(signed_example
 # --- images of a test's own: a copy of the CPU image in a fresh repository ---------------------------
 
 
-def own_copy(signed_example, tmp_path: Path) -> tuple[Path, dict]:
-    """A copy of the workdir whose CPU variant points at the same digest in a repository of its own."""
-    report_path = signed_example.copy(tmp_path / "work")
+def own_copy(signed_example, tmp_path: Path, image: str | None = None) -> tuple[Path, dict]:
+    """A copy of the workdir whose CPU variant points at the same digest in a repository of its own.
+
+    With `image` (an earlier copy's), the new workdir points at that very image: CI's next run,
+    in a fresh workdir, signing the same digest again."""
+    report_path = signed_example.copy(tmp_path / unique("work"))
     report = json.loads(report_path.read_text())
     variant = next(v for v in report["variants"] if v["device"] == "cpu")
-    source = ImageRef.parse(variant["image"])
-    repository = f"imagebuild-e2e/{unique('sign')}"
-    with Registry(STAGING) as client:
-        client.copy_within(source.repository, source.digest, repository, "signed")
-    variant["image"] = f"{STAGING}/{repository}@{source.digest}"
-    variant["images"] = [f"{STAGING}/{repository}:signed"]
+    if image is None:
+        source = ImageRef.parse(variant["image"])
+        repository = f"imagebuild-e2e/{unique('sign')}"
+        with Registry(STAGING) as client:
+            client.copy_within(source.repository, source.digest, repository, "signed")
+        image = f"{STAGING}/{repository}@{source.digest}"
+    variant["image"] = image
+    variant["images"] = [f"{image.split('@', 1)[0]}:signed"]
     variant["stages"].pop("sign")
     report_path.write_text(json.dumps(report, indent=2))
     return report_path, variant
@@ -218,6 +223,87 @@ def test_a_deleted_signature_is_signed_again_on_rerun(signed_example, cosign_cli
     assert again.returncode == 0, again.stderr
     assert [r["action"] for r in again.json()["variants"]] == ["signed"]
     cosign_cli.verified(variant["image"], signed_example.public_key)
+
+
+def signature_layers(image: str) -> list[dict]:
+    """The layers of the image's `.sig` manifest: one per signature."""
+    ref = ImageRef.parse(image)
+    with Registry(ref.registry) as client:
+        raw, _, _ = client.get_manifest(ref.repository, f"sha256-{digest_of(image).split(':', 1)[1]}.sig")
+    return json.loads(raw)["layers"]
+
+
+def sign_row(run, variant: dict) -> dict:
+    assert run.returncode == 0, run.stderr
+    rows = run.json()["variants"]
+    assert [r["id"] for r in rows] == [variant["id"]]
+    return rows[0]
+
+
+def test_a_fresh_workdir_reuses_this_keys_signature_and_adds_no_layer(signed_example, cosign, cosign_cli, cosign_keys, tmp_path):
+    """CI: every merge signs the same digest again from a workdir with no report; the `.sig` tag must not grow."""
+    first_path, variant = own_copy(signed_example, tmp_path)
+    image, only = variant["image"], ("--only", variant["id"])
+    first = sign_row(sign_workdir(first_path.parent, cosign_keys["key"], cosign_keys["password"], *only,
+                                  "--format", "json"), variant)
+    assert (first["action"], first["signature_reused"]) == ("signed", False)
+    signature, attestations = tag_digest(image, "sig"), tag_digest(image, "att")
+
+    again_path, _ = own_copy(signed_example, tmp_path, image=image)
+    run = sign_workdir(again_path.parent, cosign_keys["key"], cosign_keys["password"], *only, "--format", "json")
+
+    again = sign_row(run, variant)
+    assert (again["action"], again["signature_reused"]) == ("signed", True)
+    assert "signature already present by this key: reused; 6 attestations" in run.stderr
+    assert variant_for(json.loads(again_path.read_text()), image)["stages"]["sign"]["signature_reused"] is True
+    assert len(signature_layers(image)) == 1
+    assert tag_digest(image, "sig") == signature  # not even rewritten
+    assert tag_digest(image, "att") != attestations  # the attestations were made again, each replacing its own
+    verified = cosign_cli.verified(image, cosign_keys["pub"])
+    assert [v["critical"]["image"]["docker-manifest-digest"] for v in verified] == [digest_of(image)]
+    for cosign_type in ATTESTATION_TYPES:
+        assert len(cosign_cli.statements(image, cosign_keys["pub"], cosign_type)) == 1
+
+
+def test_a_signature_cosign_would_not_take_for_a_duplicate_is_reused_too(signed_example, cosign, cosign_cli, cosign_keys,
+                                                                          tmp_path):
+    """cosign skips a signature only when its annotations match one already there (with --tlog, each run's
+    Rekor bundle differs): here one made with an annotation. The key and the digest decide, not the bytes."""
+    report_path, variant = own_copy(signed_example, tmp_path)
+    image = variant["image"]
+    made = subprocess.run([cosign, "sign", "--key", str(cosign_keys["key"]), "-a", "pipeline=an-older-one",
+                           "--tlog-upload=false", "--allow-http-registry", "--allow-insecure-registry", "--yes", image],
+                          env={**os.environ, "COSIGN_PASSWORD": cosign_keys["password"]},
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+
+    row = sign_row(sign_workdir(report_path.parent, cosign_keys["key"], cosign_keys["password"],
+                                "--only", variant["id"], "--format", "json"), variant)
+
+    assert row["signature_reused"] is True
+    assert len(signature_layers(image)) == 1
+    cosign_cli.verified(image, cosign_keys["pub"])
+
+
+def test_another_key_adds_its_own_signature_beside_the_first(signed_example, cosign, cosign_cli, cosign_keys, tmp_path):
+    first_path, variant = own_copy(signed_example, tmp_path)
+    image, only = variant["image"], ("--only", variant["id"])
+    sign_row(sign_workdir(first_path.parent, cosign_keys["key"], cosign_keys["password"], *only, "--format", "json"),
+             variant)
+    keys, password = tmp_path / "other-key", "other-key-password"
+    keys.mkdir()
+    made = subprocess.run([cosign, "generate-key-pair"], cwd=keys, env={**os.environ, "COSIGN_PASSWORD": password},
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+
+    again_path, _ = own_copy(signed_example, tmp_path, image=image)
+    row = sign_row(sign_workdir(again_path.parent, keys / "cosign.key", password, *only, "--format", "json"), variant)
+
+    assert (row["action"], row["signature_reused"]) == ("signed", False)
+    assert len(signature_layers(image)) == 2
+    for public_key in (cosign_keys["pub"], keys / "cosign.pub"):
+        verified = cosign_cli.verified(image, public_key)
+        assert [v["critical"]["image"]["docker-manifest-digest"] for v in verified] == [digest_of(image)]
 
 
 def test_an_interrupted_sign_leaves_a_state_a_rerun_finishes(signed_example, cosign, cosign_cli, cosign_keys, tmp_path):
