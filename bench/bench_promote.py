@@ -55,7 +55,14 @@ def signed_images(workdir: Path) -> list[str]:
     return [v["image"] for v in report["variants"] if (v.get("stages") or {}).get("sign", {}).get("status") == "passed"]
 
 
-_PROMOTER: list[Any] = []  # one for the whole run, as `imagebuild push` keeps one for all its variants
+_PROMOTER: list[Any] = []  # one per run of all the images, as one `imagebuild push` keeps one for its variants
+
+
+def fresh_promoter() -> None:
+    """A new run starts with a new Promoter: nothing learnt (connections, checks by content digest)
+    carries over from the run before, as nothing carries over between two `imagebuild push`."""
+    while _PROMOTER:
+        _PROMOTER.pop().close()
 
 
 def imagebuild_promote(source: str, target: str, tag: str) -> None:
@@ -120,6 +127,7 @@ def main() -> int:
     for _ in range(args.runs):
         for tool, promote in PROMOTERS.items():
             for case, registry in (("same registry", STAGING), ("cross-registry", REGION)):
+                fresh_promoter()
                 project = f"imagebuild-bench/promote-{tool.split('+')[0]}-{uuid.uuid4().hex[:8]}"
                 # One tag per image: the example's variants share a repository, and release tags are immutable.
                 total = sum(timed(lambda: promote(image, f"{registry}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}",  # noqa: B023

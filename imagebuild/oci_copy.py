@@ -1,11 +1,11 @@
 """Copying an image by digest within or across registries, signatures and attestations included.
 
-Only what the target lacks moves: a manifest the target already has by digest is skipped
-whole (a registry accepts a manifest only once its blobs and children are there). Across
-registries each blob is HEADed first, then mounted from another repository of the target where
-earlier copies saw it, else uploaded; on one registry a mount from the source repository stands
-in for the HEAD (it answers "there" either way, and no byte moves). Uploads stream from the
-source straight into PATCH windows (nothing held but a few reads), and the digest of what was
+Only what the target lacks moves: a manifest the target already has by digest is skipped whole
+(a registry accepts a manifest only once its blobs and children are there). Across registries
+each blob is mounted from another repository of the target where earlier copies saw it, else
+HEADed and, when absent, uploaded; on one registry it is mounted from the source repository. A
+mount stands in for the HEAD (it answers "there" either way, and no byte moves). Uploads stream
+from the source straight into PATCH windows (nothing held but a few reads), and the digest of what was
 streamed is checked before the upload is committed; an interrupted window asks the registry how
 much it holds and continues from there, and a source stream that breaks off is reopened where it
 stopped (a Range request). The image and its own signature and attestation tags are copied at
@@ -291,26 +291,20 @@ class _Copier:
         digest, size = descriptor["digest"], int(descriptor.get("size", -1))
         if size < 0:
             size = self.source.blob_size(self.source_repository, digest) or 0
-        refused_mount: str | None = None  # the upload session a refused mount opened
-        if self.same_registry:
-            # One registry: a mount answers "there" whether the blob was linked now or was already
-            # in the target repository, so it stands in for the HEAD; no byte moves either way.
-            refused_mount = self.target.try_mount(self.target_repository, digest, self.source_repository)
-            if refused_mount is None:
-                self.stats.add(blobs_mounted=1)
-                self._landed(digest)
-                return
-        if self.target.blob_size(self.target_repository, digest) is not None:
-            if refused_mount is not None:
-                self._cancel(refused_mount)
-            self.stats.add(blobs_present=1)
-            self._landed(digest)
-            return
-        location = refused_mount or self._mount(digest)
-        if location is None:
+        # A mount answers "there" whether it linked the blob now or the target repository held it
+        # already, so where a mount is possible it stands in for the HEAD; no byte moves either way.
+        mounted, session = self._mount(digest, self._mount_candidates(digest))
+        if mounted:
             self.stats.add(blobs_mounted=1)
             self._landed(digest)
             return
+        if self.target.blob_size(self.target_repository, digest) is not None:
+            if session is not None:
+                self._cancel(session)
+            self.stats.add(blobs_present=1)
+            self._landed(digest)
+            return
+        location = session or self.target.start_upload(self.target_repository)
         if size <= SMALL_BLOB:
             self._upload_whole(location, digest)
         else:
@@ -324,14 +318,17 @@ class _Copier:
     def _landed(self, digest: str) -> None:
         self.locations.remember(self.target.registry, digest, self.target_repository)
 
-    def _mount(self, digest: str) -> str | None:
-        """Mount the blob from a repository of the target registry that holds it: the source
-        repository on the same registry, else where earlier copies put it. None when mounted,
-        else an upload session (the one the last refused mount opened, or a new one)."""
+    def _mount_candidates(self, digest: str) -> list[str]:
+        """Repositories of the target registry to mount from: the source repository on the same
+        registry, then where earlier copies put the blob."""
         candidates = [self.source_repository] if self.same_registry else []
         if not self._hints_refused:
             candidates += [repository for repository in self.locations.hints(self.target.registry, digest)
                            if repository not in (self.target_repository, *candidates)][:MOUNT_HINTS]
+        return candidates
+
+    def _mount(self, digest: str, candidates: list[str]) -> tuple[bool, str | None]:
+        """(mounted, the upload session the last refused mount opened, if any)."""
         session: str | None = None
         for repository in candidates:
             if session is not None:  # the previous mount was refused and opened a session: drop it
@@ -345,10 +342,10 @@ class _Copier:
                 session = None
                 continue
             if session is None:
-                return None
+                return True, None
             if repository != self.source_repository or not self.same_registry:
                 self.locations.forget(self.target.registry, digest, repository)
-        return session or self.target.start_upload(self.target_repository)
+        return False, session
 
     def _fail(self, operation: str, message: str, status: int | None = None) -> RegistryError:
         return RegistryError(f"{self.target.registry}/{self.target_repository}: {operation}: {message}",
