@@ -3,8 +3,9 @@
 One image moves in this order, so that no release tag ever names something unaudited:
 
 1. Verify the signature and the attestations in the SOURCE: a build report can say "signed" and
-   be wrong, and an unsigned image must not travel. At the same time, read what the target's
-   tags (release, signature, attestation) name now.
+   be wrong, and an unsigned image must not travel. At the same time, read the source's
+   manifest and what the target's release tags name now (and, when every one already names
+   this digest, what its signature and attestation tags name: a rerun copies nothing).
 2. Decide the release tags (push_plan.decide_tags): a tag naming another digest is refused
    (release tags are immutable) unless --force with a reason.
 3. Copy by digest (oci_copy): the blobs the target lacks, the manifest, and cosign's
