@@ -5,12 +5,13 @@ Only what the target lacks moves: a manifest the target already has by digest is
 each blob is mounted from another repository of the target where earlier copies saw it, else
 HEADed and, when absent, uploaded; on one registry it is mounted from the source repository. A
 mount stands in for the HEAD (it answers "there" either way, and no byte moves). Uploads stream
-from the source straight into PATCH windows (nothing held but a few reads), and the digest of what was
-streamed is checked before the upload is committed; an interrupted window asks the registry how
-much it holds and continues from there, and a source stream that breaks off is reopened where it
-stopped (a Range request). The image and its own signature and attestation tags are copied at
-once, their blobs through one pool. Manifests go after their blobs, children before their index,
-and tags after every manifest they reach, so no tag ever names something incomplete.
+from the source straight into PATCH windows (nothing held but a few reads), and the digest of
+what was streamed is checked before the upload is committed; an interrupted window asks the
+registry how much it holds and continues from there, and a source stream that breaks off is
+reopened where it stopped (a Range request). The image and its own signature and attestation
+tags are copied at once, their blobs through one pool. Manifests go after their blobs, children
+before their index, and tags after every manifest they reach, so no tag ever names something
+incomplete.
 """
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ class CopyOptions:
     # (oci_locations.default_cache_dir()); BlobLocations() keeps them in memory only.
     locations: BlobLocations | None = field(default=None, compare=False)
     # What the caller already read from the source and checked (push: the signature and
-    # attestations it verified), used instead of reading it again: manifests by source tag as
-    # (raw, media type, digest), blobs by digest.
+    # attestations it verified, and the image's manifest), used instead of reading it again:
+    # manifests by the source reference they were read as (a tag or a digest) as (raw, media
+    # type, digest), blobs by digest.
     known_manifests: Mapping[str, tuple[bytes, str, str]] = field(default_factory=dict, compare=False)
     known_blobs: Mapping[str, bytes] = field(default_factory=dict, compare=False)
 

@@ -430,7 +430,7 @@ class _Reads:
     release image carries six attestations). The checks then run in order over what was read; a
     failed read is kept and raised where the check reaches it, as if it had been read then."""
 
-    def __init__(self, registry: Registry, repository: str, pool: ThreadPoolExecutor | None,
+    def __init__(self, registry: Registry, repository: str, pool: ThreadPoolExecutor,
                  known_blobs: Mapping[str, bytes] | None = None):
         self.registry, self.repository, self.pool = registry, repository, pool
         self.known_blobs = known_blobs or {}
@@ -439,16 +439,16 @@ class _Reads:
 
     def prefetch(self, tags_and_limits: Mapping[str, int]) -> None:
         """Read the manifests of `tags` and the blobs of their signature or DSSE layers (within each tag's limit)."""
-        if self.pool is None:
-            return
         tags = list(tags_and_limits)
         for tag, found in zip(tags, self.pool.map(self._fetch_manifest, tags)):
             self._manifests[tag] = found
-        wanted = {d: limit for tag in tags for d, limit in self._blob_candidates(tag, tags_and_limits[tag])}
+        wanted = {digest: limit for tag, limit in tags_and_limits.items() for digest in self._blob_candidates(tag, limit)}
         for digest, blob in zip(wanted, self.pool.map(lambda d: self._fetch_blob(d, wanted[d]), wanted)):
             self._blobs[digest] = blob
 
-    def _blob_candidates(self, tag: str, limit: int) -> list[tuple[str, int]]:
+    def _blob_candidates(self, tag: str, limit: int) -> list[str]:
+        """The blobs of the tag's signature or DSSE layers within `limit`: what the checks will read.
+        Lenient: a manifest the checks will refuse gives none, and the checks say why."""
         found = self._manifests.get(tag)
         if not isinstance(found, tuple) or len(found[0]) > MAX_MANIFEST_BYTES:
             return []
@@ -458,7 +458,7 @@ class _Reads:
             return []
         if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
             return []
-        return [(layer["digest"], limit) for layer in layers
+        return [layer["digest"] for layer in layers
                 if isinstance(layer, dict) and isinstance(layer.get("digest"), str) and _DIGEST.fullmatch(layer["digest"])
                 and isinstance(layer.get("size"), int) and layer["size"] <= limit
                 and (layer.get("mediaType") == DSSE_MEDIA_TYPE
@@ -502,9 +502,9 @@ class _Reads:
             raise blob
         return blob
 
-    def evidence(self, checked_blobs: Mapping[str, bytes], kinds: Iterable[str]) -> Evidence:
-        manifests = {tag: found for tag, found in self._manifests.items() if isinstance(found, tuple)}
-        return Evidence(manifests, dict(checked_blobs), tuple(sorted(kinds)))
+    def found_manifests(self) -> dict[str, tuple[bytes, str, str]]:
+        """The manifests read, by tag (absent ones and failed reads left out)."""
+        return {tag: found for tag, found in self._manifests.items() if isinstance(found, tuple)}
 
 
 class Verifier:
@@ -715,8 +715,7 @@ class Verifier:
             return ImageVerdict(image, digest, False, f"registry: {exc}")
         finally:
             if evidence is not None:
-                found = reads.evidence(checked, evidence.attestation_kinds)
-                evidence.manifests, evidence.blobs = found.manifests, found.blobs
+                evidence.manifests, evidence.blobs = reads.found_manifests(), checked
 
     def _layers(self, reads: _Reads, tag: str) -> list[dict[str, Any]] | None:
         found = reads.manifest(tag)
