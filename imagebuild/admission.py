@@ -5,6 +5,12 @@ Pure: no sockets, no files, no registry. The verification itself is handed in as
 become an answer: allowed when every image is; otherwise denied, naming each refused image
 and why (warn mode admits and warns instead; an unreachable registry follows the failure policy).
 
+Images are read from containers, init containers, ephemeral containers and image volumes
+(`spec.volumes[].image.reference`). The mutating answer (`pin=True`, POST /mutate) adds a
+JSONPatch that rewrites each admitted reference to the digest it was verified at
+(`repo:tag@digest`, as Kyverno's mutateDigest does), so a tag moved after admission cannot
+change what runs; in enforce mode an image that cannot be pinned is refused.
+
 Anyone who can reach the webhook can send it anything, so the body is trusted in nothing: its
 size is capped before it is parsed, nesting and the number of images are bounded, and every
 value read is type-checked. A malformed body with a usable request.uid is denied with a
@@ -12,11 +18,15 @@ message that says what is wrong; without one there is nobody to answer, so it ge
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from .oci import reference
+from .source import safe_text
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -47,6 +57,7 @@ POD_SPEC_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
     ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template", "spec"),
 }
 CONTAINER_FIELDS = ("initContainers", "containers", "ephemeralContainers")
+VOLUME_FIELD = "volumes"  # an image volume: {name, image: {reference, pullPolicy}} (Kubernetes >= 1.31)
 CHECKED_OPERATIONS = ("CREATE", "UPDATE")
 OPERATIONS = ("CREATE", "UPDATE", "DELETE", "CONNECT")
 # A Pod's subresources that can change what it runs. Status updates and the like go through
@@ -59,7 +70,7 @@ _MAX_WARNING = 512  # kubectl shows every warning; the API server may cut those 
 _MAX_UID = 128
 _UID = re.compile(r"[A-Za-z0-9._:-]+")
 _UNPRINTABLE = re.compile(r"[^\x21-\x7e]")  # in an image reference: anything but visible ASCII
-_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
+_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 
 
 class ReviewRejected(Exception):
@@ -88,11 +99,12 @@ class Verdict(Protocol):
 
 @dataclass(frozen=True)
 class ContainerImage:
-    """One image field: which kind of container, its name, and the reference as written."""
+    """One image field: which kind of container (or volume), its name, the reference as written, and where."""
 
-    field: str  # "container", "initContainer" or "ephemeralContainer"
+    field: str  # "container", "initContainer", "ephemeralContainer" or "volume"
     name: str
     image: str
+    pointer: str = ""  # JSON pointer of the field in request.object, for the patch that pins it
 
     def describe(self) -> str:
         return f'{self.field} "{safe_text(self.name, 100)}" image {self.image}'
@@ -108,6 +120,9 @@ class ReviewRequest:
     name: str
     images: tuple[ContainerImage, ...]
     skipped: str | None = None  # why nothing is checked (a DELETE, a kind without pods), or None
+    # Pointers whose reference an UPDATE left as oldObject had it: not re-pinned, since changing the
+    # image of a running Pod restarts its container and a template's starts a rollout.
+    unchanged: frozenset[str] = frozenset()
 
     @property
     def distinct_images(self) -> list[str]:
@@ -148,6 +163,7 @@ class Decision:
     warnings: tuple[str, ...] = ()
     findings: tuple[Finding, ...] = field(default_factory=tuple)
     code: int = 200  # the status code in the response: 403 denied, 400 malformed
+    patch: tuple[dict[str, str], ...] = ()  # JSONPatch operations pinning admitted images (mutate only)
 
     @property
     def outcome(self) -> str:
@@ -163,12 +179,6 @@ class Outcome:
     http_status: int
     body: dict[str, Any]
     log: dict[str, Any]
-
-
-def safe_text(text: str, limit: int) -> str:
-    """A value from the request, made safe for a message, a log line or a terminal: escaped and bounded."""
-    escaped = _UNSAFE_TEXT.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
-    return escaped if len(escaped) <= limit else escaped[:limit - 3] + "..."
 
 
 # --- parsing ---------------------------------------------------------------------------------------------------
@@ -275,8 +285,34 @@ def _parse_request(request: dict[str, Any], uid: str, limits: Limits) -> ReviewR
         where = f"{where}.{key}"
         if not isinstance(spec, dict):
             raise ReviewRejected(f"{where}: missing, or not an object", uid)
-    images = tuple(_container_images(spec, where, uid, limits))
-    return ReviewRequest(uid, group, kind, operation, namespace, name, images)
+    pointer = "".join(f"/{_escape_pointer(key)}" for key in path)
+    images = tuple(_container_images(spec, where, pointer, uid, limits))
+    unchanged = _unchanged(images, request.get("oldObject")) if operation == "UPDATE" else frozenset()
+    return ReviewRequest(uid, group, kind, operation, namespace, name, images, unchanged=unchanged)
+
+
+def _escape_pointer(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _unchanged(images: Sequence[ContainerImage], old: Any) -> frozenset[str]:
+    """The pointers at which oldObject holds the very same reference (oldObject is read leniently:
+    it only ever spares a field a patch; every image is verified whatever it says)."""
+    same = set()
+    for image in images:
+        value = old
+        for token in image.pointer.split("/")[1:]:
+            key = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(value, dict):
+                value = value.get(key)
+            elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+                value = value[int(key)]
+            else:
+                value = None
+                break
+        if value == image.image:
+            same.add(image.pointer)
+    return frozenset(same)
 
 
 def _object_name(obj: dict[str, Any]) -> str:
@@ -291,8 +327,18 @@ def _object_name(obj: dict[str, Any]) -> str:
     return ""
 
 
-def _container_images(spec: dict[str, Any], where: str, uid: str, limits: Limits) -> Iterable[ContainerImage]:
+def _container_images(spec: dict[str, Any], where: str, pointer: str, uid: str,
+                      limits: Limits) -> Iterable[ContainerImage]:
     count = 0
+    for image in _field_images(spec, where, pointer, uid, limits):
+        count += 1
+        if count > limits.max_images:
+            raise ReviewRejected(f"{where}: more than {limits.max_images} images in one object", uid)
+        yield image
+
+
+def _field_images(spec: dict[str, Any], where: str, pointer: str, uid: str,
+                  limits: Limits) -> Iterable[ContainerImage]:
     for list_key in CONTAINER_FIELDS:
         containers = spec.get(list_key)
         if containers is None:
@@ -310,14 +356,43 @@ def _container_images(spec: dict[str, Any], where: str, uid: str, limits: Limits
             image = container.get("image")
             if not isinstance(image, str) or not image:
                 raise ReviewRejected(f'{at}.image: {label} "{safe_text(name, 100)}" has no image', uid)
-            if len(image) > limits.max_reference_length:
-                raise ReviewRejected(f"{at}.image: longer than {limits.max_reference_length} characters", uid)
-            if _UNPRINTABLE.search(image):
-                raise ReviewRejected(f"{at}.image: {safe_text(ascii(image), 200)} is not an image reference", uid)
-            count += 1
-            if count > limits.max_images:
-                raise ReviewRejected(f"{where}: more than {limits.max_images} images in one object", uid)
-            yield ContainerImage(label, name, image)
+            _check_reference(image, f"{at}.image", uid, limits)
+            yield ContainerImage(label, name, image, f"{pointer}/{list_key}/{index}/image")
+    yield from _volume_images(spec, where, pointer, uid, limits)
+
+
+def _volume_images(spec: dict[str, Any], where: str, pointer: str, uid: str,
+                   limits: Limits) -> Iterable[ContainerImage]:
+    """Image volumes: an OCI image or artifact mounted read-only, run by nobody but read by everyone."""
+    volumes = spec.get(VOLUME_FIELD)
+    if volumes is None:
+        return
+    if not isinstance(volumes, list):
+        raise ReviewRejected(f"{where}.{VOLUME_FIELD}: not a list", uid)
+    for index, volume in enumerate(volumes):
+        at = f"{where}.{VOLUME_FIELD}[{index}]"
+        if not isinstance(volume, dict):
+            raise ReviewRejected(f"{at}: not an object", uid)
+        source = volume.get("image")
+        if source is None:
+            continue  # another kind of volume
+        name = volume.get("name", "")
+        if not isinstance(name, str):
+            raise ReviewRejected(f"{at}.name: not a string", uid)
+        if not isinstance(source, dict):
+            raise ReviewRejected(f"{at}.image: not an object", uid)
+        reference = source.get("reference")
+        if not isinstance(reference, str) or not reference:
+            raise ReviewRejected(f'{at}.image.reference: volume "{safe_text(name, 100)}" has no image reference', uid)
+        _check_reference(reference, f"{at}.image.reference", uid, limits)
+        yield ContainerImage("volume", name, reference, f"{pointer}/{VOLUME_FIELD}/{index}/image/reference")
+
+
+def _check_reference(image: str, at: str, uid: str, limits: Limits) -> None:
+    if len(image) > limits.max_reference_length:
+        raise ReviewRejected(f"{at}: longer than {limits.max_reference_length} characters", uid)
+    if _UNPRINTABLE.search(image):
+        raise ReviewRejected(f"{at}: {safe_text(ascii(image), 200)} is not an image reference", uid)
 
 
 def _string(mapping: dict[str, Any], key: str, where: str, uid: str, default: str | None = None) -> str:
@@ -349,30 +424,61 @@ def _show(value: Any) -> str:
 # --- deciding --------------------------------------------------------------------------------------------------
 
 
-def decide(request: ReviewRequest, verdicts: Mapping[str, Verdict], policy: Policy) -> Decision:
-    """Allowed when every image is; warn mode and an ignored unreachable registry admit with warnings."""
+def decide(request: ReviewRequest, verdicts: Mapping[str, Verdict], policy: Policy, pin: bool = False) -> Decision:
+    """Allowed when every image is; warn mode and an ignored unreachable registry admit with warnings.
+
+    With `pin`, an admitted image must also be pinnable (a verified digest) and the decision carries
+    the JSONPatch that pins it; an image admitted only by warn mode or failure_policy ignore stays as written."""
     if request.skipped is not None:
         return Decision(True, "")
-    findings = tuple(_finding(container, verdicts.get(container.image)) for container in request.images)
+    findings = tuple(_finding(container, verdicts.get(container.image), pin) for container in request.images)
     admitted_unreachable = [f for f in findings if not f.allowed and f.unreachable and not policy.fail_closed]
     refused = [f for f in findings if not f.allowed and f not in admitted_unreachable]
     warnings = [_bounded(f"{f.line()} (admitted: failure_policy is ignore)", _MAX_WARNING)
                 for f in admitted_unreachable]
+    patch = tuple(_pin_patch(request, findings)) if pin else ()
     if not refused:
-        return Decision(True, "", tuple(warnings), findings)
+        return Decision(True, "", tuple(warnings), findings, patch=patch)
     if not policy.enforce:
         warnings += [_bounded(f"{f.line()} (admitted: mode is warn)", _MAX_WARNING) for f in refused]
-        return Decision(True, "", tuple(warnings), findings)
+        return Decision(True, "", tuple(warnings), findings, patch=patch)
     images = "image" if len(findings) == 1 else "images"
     message = f"imagebuild refused {len(refused)} of {len(findings)} {images}: " + "; ".join(f.line() for f in refused)
     return Decision(False, _bounded(message, _MAX_MESSAGE), tuple(warnings), findings, code=403)
 
 
-def _finding(container: ContainerImage, verdict: Verdict | None) -> Finding:
+def _finding(container: ContainerImage, verdict: Verdict | None, pin: bool = False) -> Finding:
     if verdict is None:  # the caller verified too little: refuse rather than admit unchecked
         return Finding(container, None, False, "not verified", False)
-    return Finding(container, verdict.digest, verdict.allowed, verdict.reason or "no reason given",
-                   verdict.unreachable)
+    finding = Finding(container, verdict.digest, verdict.allowed, verdict.reason or "no reason given",
+                      verdict.unreachable)
+    if pin and finding.allowed and pinned(container.image, verdict.digest) is None:
+        return Finding(container, verdict.digest, False, "cannot be pinned: verified without a digest of its own "
+                                                         f"({safe_text(str(verdict.digest), 80)})", False)
+    return finding
+
+
+def pinned(image: str, digest: str | None) -> str | None:
+    """`image` rewritten to the digest it was verified at: repo:tag@digest or repo@digest (the tag kept
+    for people, the digest for the runtime, which pulls by digest when both are given); None when
+    that digest is no sha256 digest, or the reference already names another one."""
+    if digest is None or not _DIGEST.fullmatch(digest):
+        return None
+    try:
+        written = reference.split(image).digest
+    except reference.ReferenceError:
+        return None
+    if written is not None:
+        return image if written == digest else None
+    return f"{image}@{digest}"
+
+
+def _pin_patch(request: ReviewRequest, findings: Sequence[Finding]) -> Iterable[dict[str, str]]:
+    for finding in findings:
+        target = pinned(finding.container.image, finding.digest) if finding.allowed else None
+        if target is None or target == finding.container.image or finding.container.pointer in request.unchanged:
+            continue
+        yield {"op": "replace", "path": finding.container.pointer, "value": target}
 
 
 def _bounded(text: str, limit: int) -> str:
@@ -387,6 +493,9 @@ def response(uid: str, decision: Decision) -> dict[str, Any]:
         answer["status"] = {"code": decision.code, "reason": reason, "message": decision.message}
     if decision.warnings:
         answer["warnings"] = list(decision.warnings)
+    if decision.allowed and decision.patch:
+        answer["patchType"] = "JSONPatch"
+        answer["patch"] = base64.b64encode(json.dumps(list(decision.patch)).encode()).decode("ascii")
     return {"apiVersion": API_VERSION, "kind": KIND, "response": answer}
 
 
@@ -396,15 +505,20 @@ def response(uid: str, decision: Decision) -> dict[str, Any]:
 VerifyMany = Callable[[Sequence[str]], Mapping[str, Verdict]]
 
 
-def review(body: bytes, verify: VerifyMany, policy: Policy, limits: Limits = LIMITS) -> Outcome:
-    """Parse, verify every distinct image once (through `verify`), decide and answer; never raises on bad input."""
+def review(body: bytes, verify: VerifyMany, policy: Policy, limits: Limits = LIMITS, pin: bool = False) -> Outcome:
+    """Parse, verify every distinct image once (through `verify`), decide and answer; never raises on bad input.
+
+    `pin`: the mutating webhook's answer, with the JSONPatch that pins every admitted image to its digest."""
     try:
         request = parse_review(body, limits)
     except ReviewRejected as err:
         return rejected(err)
     verdicts = verify(request.distinct_images) if request.images else {}
-    decision = decide(request, verdicts, policy)
-    return Outcome(200, response(request.uid, decision), decision_log(request, decision))
+    decision = decide(request, verdicts, policy, pin)
+    log = decision_log(request, decision)
+    if pin:
+        log["pinned"] = [op["value"] for op in decision.patch]
+    return Outcome(200, response(request.uid, decision), log)
 
 
 def rejected(err: ReviewRejected) -> Outcome:

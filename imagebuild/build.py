@@ -7,13 +7,15 @@ A variant gets its release tags only once its whole chain is in the registry.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as dt
 import os
+import re
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,8 +280,8 @@ class Builder:
         for sid, path in sorted(self.options.secrets.items()):
             cmd += ["--secret", f"id={sid},src={path}"]
         cmd.append(str(self.options.dockerfiles / layer.path))
-        result = self.runner.run(cmd, secrets=self.options.secret_values, log=log,
-                                 env={"DOCKER_BUILDKIT": "1"}, timeout=self.options.layer_timeout_s)
+        result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
+                                  timeout=self.options.layer_timeout_s)
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}
         error = None
         if result.timed_out:
@@ -361,6 +363,14 @@ class Builder:
         self.report.write(self.options.workdir / "build-report.json")
 
 
+def run_docker_build(runner: Runner, cmd: list[str], *, secrets: Iterable[str], log: Path | None,
+                     timeout: float | None) -> Result:
+    """`docker build` on BuildKit, with only the allowlisted environment (tools.child_environment):
+    a matrix's `run:` steps are its author's shell, and no signing password or registry
+    credential of this job may be within their reach, not even through the CLI."""
+    return runner.run(cmd, secrets=secrets, log=log, env={"DOCKER_BUILDKIT": "1"}, timeout=timeout, inherit=False)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -379,6 +389,84 @@ class SecretFiles:
             self._tmp.cleanup()
 
 
+# --- the secret lane: what the operator lets a matrix mount -------------------------------
+
+SECRET_DIRS_ENV = "IMAGEBUILD_SECRET_DIRS"  # os.pathsep-separated directories
+SECRET_ENV_ENV = "IMAGEBUILD_SECRET_ENV"  # comma-separated variable names
+# Always in the lane: the host's public CA bundle (Debian/Ubuntu, RHEL/Fedora, Alpine), which a
+# build behind a TLS-intercepting proxy needs and which holds nothing secret.
+SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
+# Signing and registry credentials never reach a build, whoever asks: `run:` steps are the
+# matrix author's shell, and a pull request may be the author.
+NEVER_BUILD_SECRETS = frozenset({"COSIGN_PASSWORD", "COSIGN_KEY", "SIGSTORE_ID_TOKEN", "HARBOR_USERNAME",
+                                 "HARBOR_PASSWORD", "TRIVY_USERNAME", "TRIVY_PASSWORD", "TRIVY_REGISTRY_TOKEN",
+                                 "DOCKER_AUTH_CONFIG", "REGISTRY_AUTH"})
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class SecretLane:
+    """Where a matrix's `secrets.<id>.file` / `.env` may point: set by the operator (flags or
+    environment settings), never by the matrix, which may come from a pull request."""
+
+    dirs: tuple[Path, ...] = ()  # resolved: a file must resolve to a path under one of them
+    env: frozenset[str] = frozenset()  # variable names an `env:` secret may read
+
+    @classmethod
+    def from_settings(cls, dirs: Iterable[str] = (), env: Iterable[str] = (),
+                      environ: Mapping[str, str] | None = None) -> SecretLane:
+        """--secret-dir / --secret-env values plus IMAGEBUILD_SECRET_DIRS / IMAGEBUILD_SECRET_ENV."""
+        environ = os.environ if environ is None else environ
+        given = [("--secret-dir", d) for d in dirs]
+        given += [(SECRET_DIRS_ENV, d) for d in environ.get(SECRET_DIRS_ENV, "").split(os.pathsep) if d.strip()]
+        resolved = []
+        for where, directory in given:
+            path = Path(os.path.expanduser(directory)).resolve()
+            if not path.is_dir():
+                raise InputError(where, None, "", f"'{directory}' is not a directory")
+            if path == Path(path.anchor):
+                raise InputError(where, None, "", f"'{directory}' is the whole file system; name the directory "
+                                                  "that holds the build secrets")
+            resolved.append(path)
+        names = [("--secret-env", n.strip()) for n in env]
+        names += [(SECRET_ENV_ENV, n.strip()) for n in environ.get(SECRET_ENV_ENV, "").split(",") if n.strip()]
+        for where, name in names:
+            if not _ENV_NAME.fullmatch(name):
+                raise InputError(where, None, "", f"'{name}' is not an environment variable name")
+            if name in NEVER_BUILD_SECRETS:
+                raise InputError(where, None, "", f"{name} is a signing or registry credential; "
+                                                  "it never reaches a build")
+        return cls(tuple(dict.fromkeys(resolved)), frozenset(n for _, n in names))
+
+    def allows_file(self, path: Path) -> bool:
+        """After resolving links: the system CA bundle, or a file under an allowed directory."""
+        real = path.resolve()
+        if any(real == Path(bundle).resolve() for bundle in SYSTEM_CA_BUNDLES):
+            return True
+        return any(real.is_relative_to(d) and real != d for d in self.dirs)
+
+    def describe(self) -> str:
+        dirs = ", ".join(str(d) for d in self.dirs) or "none"
+        return f"allowed: the system CA bundle and directories {dirs}"
+
+
+_lane: contextvars.ContextVar[SecretLane | None] = contextvars.ContextVar("imagebuild_secret_lane", default=None)
+
+
+@contextlib.contextmanager
+def secret_lane(lane: SecretLane) -> Iterator[None]:
+    """The lane for every `secret_files` call within (`imagebuild release` hands its flags down so)."""
+    token = _lane.set(lane)
+    try:
+        yield
+    finally:
+        _lane.reset(token)
+
+
+def current_lane() -> SecretLane:
+    return _lane.get() or SecretLane.from_settings()
+
+
 def parse_secret_overrides(items: Iterable[str]) -> dict[str, str]:
     """--secret ID=PATH options -> {id: path}."""
     overrides = {}
@@ -390,13 +478,46 @@ def parse_secret_overrides(items: Iterable[str]) -> dict[str, str]:
     return overrides
 
 
-def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None) -> SecretFiles:
-    """Secret files for the build; `overrides` (id -> path, from --secret) replace the matrix's sources."""
+def check_secret_lane(matrix: Matrix, lane: SecretLane, overrides: Mapping[str, str] | None = None) -> None:
+    """Refuse a matrix secret outside the operator's lane, before anything is read or built.
+
+    A `--secret ID=PATH` override is the operator's own choice and replaces the matrix's source.
+    An optional secret this host lacks is skipped later, so it is not checked: it reaches nothing.
+    """
+    for ref in matrix.secrets:
+        if ref.id in (overrides or {}):
+            continue
+        if ref.file is not None:
+            path = Path(os.path.expanduser(ref.file))
+            if ref.optional and not path.exists():
+                continue
+            if not lane.allows_file(path):
+                raise InputError(matrix.file, matrix.line_of(("secrets", ref.id, "file")), f"secrets.{ref.id}.file",
+                                 f"'{ref.file}' is outside the lane for build secrets after resolving links "
+                                 f"({lane.describe()}); the operator allows a directory with --secret-dir DIR "
+                                 f"or {SECRET_DIRS_ENV}, or passes --secret {ref.id}=PATH")
+        elif ref.env is not None:
+            if ref.optional and ref.env not in os.environ:
+                continue
+            if ref.env not in lane.env or ref.env in NEVER_BUILD_SECRETS:
+                raise InputError(matrix.file, matrix.line_of(("secrets", ref.id, "env")), f"secrets.{ref.id}.env",
+                                 f"environment variable {ref.env} is not allowed as a build secret; the operator "
+                                 f"allows it with --secret-env {ref.env} or {SECRET_ENV_ENV}")
+
+
+def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None,
+                 lane: SecretLane | None = None) -> SecretFiles:
+    """Secret files for the build; `overrides` (id -> path, from --secret) replace the matrix's sources.
+
+    `lane` (default: the one `secret_lane` set, else the environment settings) bounds what the
+    matrix's own `file:` and `env:` may name.
+    """
     overrides = dict(overrides or {})
     for sid in overrides:
         if sid not in matrix.secret_ids:
             raise InputError(matrix.file, matrix.line_of(("secrets",)), f"secrets.{sid}",
                              "--secret names a secret the matrix does not declare (its Dockerfiles would not mount it)")
+    check_secret_lane(matrix, lane or current_lane(), overrides)
     paths, values = {}, []
     tmp = None
     for ref in matrix.secrets:
@@ -407,6 +528,8 @@ def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None) -> Sec
                     continue
                 raise InputError(matrix.file, matrix.line_of(("secrets", ref.id, "file")),
                                  f"secrets.{ref.id}.file", f"'{path}' does not exist on this host")
+            # The resolved path goes to docker: the file checked is the file mounted.
+            path = path.resolve()
             values.extend(_secret_strings(path.read_text(errors="replace")))
             paths[ref.id] = str(path)
         else:

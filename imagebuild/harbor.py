@@ -24,6 +24,8 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from .oci import reference
+
 API = "/api/v2.0"
 SEVERITIES = ("none", "low", "medium", "high", "critical")
 # Harbor's rule for project and robot names (lower case; separators only between alphanumerics).
@@ -404,19 +406,19 @@ def repository_segment(repository: str) -> str:
 
 def parse_artifact(text: str) -> ArtifactRef:
     """[HOST/]PROJECT/REPOSITORY@sha256:HEX; ValueError if it is not one."""
-    name, at, digest = text.partition("@")
-    if not at or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+    # The one reference grammar (imagebuild.oci.reference); the registry host, when written, is
+    # dropped: the API is addressed by --url.
+    try:
+        parts = reference.split(text)
+    except reference.ReferenceError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    if parts.digest is None or not parts.digest.startswith("sha256:") or parts.tag is not None:
         raise ValueError(f"{text!r}: give the image by digest, PROJECT/REPOSITORY@sha256:<64 hex digits>")
-    parts = name.split("/")
-    if len(parts) > 2 and ("." in parts[0] or ":" in parts[0] or parts[0] == "localhost"):
-        parts = parts[1:]  # the registry host; the API is addressed by --url
-    if len(parts) < 2 or not all(parts):
+    project, slash, repository = parts.path.partition("/")
+    if not slash:
         raise ValueError(f"{text!r}: expected PROJECT/REPOSITORY@DIGEST (a Harbor repository is inside a project)")
-    check_name("project", parts[0])
-    repository = "/".join(parts[1:])
-    if not re.fullmatch(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*", repository):
-        raise ValueError(f"{text!r}: {repository!r} is not a repository name")
-    return ArtifactRef(parts[0], repository, digest)
+    check_name("project", project)
+    return ArtifactRef(project, repository, parts.digest)
 
 
 def read_scan_overview(ref: ArtifactRef, artifact: Mapping[str, Any]) -> ScanOverview:

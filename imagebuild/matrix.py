@@ -7,6 +7,7 @@ include/exclude semantics and checked against the support table.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -536,14 +537,22 @@ class MatrixParser:
         items = self.r.strings(value, path)
         if not items:
             raise self.r.error(path, "must list at least one test file or folder")
-        base = Path(self.doc.file).parent
+        base = Path(self.doc.file).parent.resolve()
         out: list[str] = []
         for i, item in enumerate(items):
             if Path(item).is_absolute():
                 raise self.r.error(path + (i,), f"'{item}' must be relative to the matrix file")
+            # Confined to the matrix's folder after resolving links: the paths are bind-mounted
+            # into containers and read here, and the matrix may come from a pull request.
             target = (base / item).resolve()
+            if not target.is_relative_to(base):
+                raise self.r.error(path + (i,), f"'{item}' leads outside the matrix's folder "
+                                                "(after resolving '..' and links)")
             if not target.exists():
                 raise self.r.error(path + (i,), f"'{item}' does not exist (looked for {target})")
+            problem = _link_out_of(target, base)
+            if problem is not None:
+                raise self.r.error(path + (i,), f"'{item}' {problem}")
             if target.is_file() and target.suffix != ".py":
                 raise self.r.error(path + (i,), f"'{item}' is not a Python test file or a folder")
             if not (target.is_file() or target.is_dir()):
@@ -721,6 +730,26 @@ class MatrixParser:
         axis = "python" if combo.python not in entry.python else "cuda"
         values = [str(v) for v in matrix[axis]]
         return ("matrix", axis, values.index(getattr(combo, axis)))
+
+
+# The most entries one smoke folder may hold: it is walked for links at every load.
+MAX_SMOKE_ENTRIES = 10_000
+
+
+def _link_out_of(target: Path, base: Path) -> str | None:
+    """What is wrong with folder `target`: a symbolic link in it resolving outside `base`, or too many entries."""
+    if not target.is_dir():
+        return None
+    seen = 0
+    for folder, dirs, files in os.walk(target):  # does not descend into linked folders
+        for name in [*dirs, *files]:
+            seen += 1
+            if seen > MAX_SMOKE_ENTRIES:
+                return f"holds more than {MAX_SMOKE_ENTRIES:,} files and folders; point at the tests themselves"
+            entry = Path(folder) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(base):
+                return f"holds a link that leads outside the matrix's folder: {entry.relative_to(base)}"
+    return None
 
 
 @dataclass

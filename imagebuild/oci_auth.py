@@ -4,6 +4,13 @@ Credentials come from the caller, or from the Docker config file the way docker,
 skopeo read it: `credHelpers` for the host, then `credsStore`, then `auths`. They are never
 part of a repr, an exception or a log line: `Credentials` hides its secrets, and errors name
 the registry and the helper, never what a helper printed.
+
+Credentials go to the registry's own origin only. A bearer challenge whose token realm is on
+another host:port is followed only when that host is trusted for this registry: Docker Hub's
+auth.docker.io, or a host named in IMAGEBUILD_TOKEN_REALMS
+(`REGISTRY=HOST[:PORT][,HOST[:PORT]...]`, entries separated by spaces or `;`) or given by the
+caller. A request to any other origin (a blob redirected to storage, a Location elsewhere)
+carries no credentials, and its 401 is an error, not a challenge to answer.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from .oci.names import escaped, is_loopback, split_host
+
 DOCKER_HUB_HOSTS = ("registry-1.docker.io", "docker.io", "index.docker.io")
 DOCKER_HUB_CONFIG_KEY = "https://index.docker.io/v1/"
 # A credential helper answers this username when the secret is an identity (refresh) token.
@@ -28,6 +37,11 @@ IDENTITY_TOKEN_USER = "<token>"
 DEFAULT_TOKEN_LIFETIME_S = 60.0
 # Ask for a fresh token this long before the cached one expires (requests take time).
 TOKEN_EXPIRY_MARGIN_S = 5.0
+# Token services on another host than their registry, trusted for it (the operator adds others).
+TOKEN_REALMS_ENV = "IMAGEBUILD_TOKEN_REALMS"
+DEFAULT_TOKEN_REALMS: dict[str, tuple[str, ...]] = {"registry-1.docker.io": ("auth.docker.io",)}
+_DEFAULT_PORTS = {"https": 443, "http": 80}
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
 
 
 class CredentialError(Exception):
@@ -256,6 +270,42 @@ def credentials_for(registry: str, config: DockerConfig | None = None,
     return config.from_auths(registry) or ANONYMOUS
 
 
+# --- where tokens may be fetched ----------------------------------------------------------
+
+def _registry_key(registry: str) -> str:
+    return _host_of(registry).lower()
+
+
+def token_realms_from_env(registry: str, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The token realm hosts IMAGEBUILD_TOKEN_REALMS trusts for `registry`.
+
+    `harbor.example.com=sso.example.com registry.gitlab.com=gitlab.com,gitlab.example.com:8443`
+    """
+    env = os.environ if environ is None else environ
+    hosts: list[str] = []
+    for number, entry in enumerate(filter(None, re.split(r"[\s;]+", env.get(TOKEN_REALMS_ENV, ""))), 1):
+        name, sep, listed = entry.partition("=")
+        realms = listed.split(",")
+        if not sep or not name or not all(_HOST_PORT.fullmatch(host) for host in realms):
+            raise CredentialError(f"{TOKEN_REALMS_ENV}: entry {number} {escaped(entry)}: expected "
+                                  f"REGISTRY=HOST[:PORT][,HOST[:PORT]...]")
+        if _registry_key(name) == _registry_key(registry):
+            hosts += realms
+    return tuple(hosts)
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int]:
+    """(scheme, host, port) with the scheme's default port filled in: `https://r` is `https://r:443`."""
+    return url.scheme, url.host.lower(), url.port or _DEFAULT_PORTS.get(url.scheme, 0)
+
+
+def _names_host(entry: str, realm: httpx.URL) -> bool:
+    """An allowlist entry without a port means the realm scheme's default one."""
+    host, port = split_host(entry)
+    _, realm_host, realm_port = _origin(realm)
+    return host.strip("[]") == realm_host and (port or _DEFAULT_PORTS.get(realm.scheme)) == realm_port
+
+
 # --- the auth flow ------------------------------------------------------------------------
 
 @dataclass
@@ -272,6 +322,10 @@ class AuthDenied(Exception):
         self.status = status
 
 
+class RealmRefused(AuthDenied):
+    """A bearer challenge named a token service the registry's configuration does not trust."""
+
+
 class RegistryAuth(httpx.Auth):
     """Answers a registry's challenges: basic credentials, or bearer tokens fetched per scope.
 
@@ -279,14 +333,21 @@ class RegistryAuth(httpx.Auth):
     front (a token cached for the request's scopes, until shortly before it expires), so a
     streamed upload body is never sent into a 401. Credentials are resolved lazily, on the
     first challenge: a registry that needs none never runs a credential helper.
+
+    Only requests to the registry's `origin` (scheme, host, port) are authenticated, and only
+    its 401s are answered. `token_realms`: hosts trusted for token requests besides the
+    registry's own; None reads IMAGEBUILD_TOKEN_REALMS (Docker Hub's auth host is always trusted).
     """
 
     # False: a streamed blob must stay streamed. The one body the flow reads (a token) it reads itself.
     requires_response_body = False
 
     def __init__(self, registry: str, credentials: Credentials | Callable[[], Credentials] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *, origin: str | None = None,
+                 token_realms: Iterable[str] | None = None):
         self.registry = registry
+        self.origin = httpx.URL(origin or f"https://{registry}")
+        self._token_realms = None if token_realms is None else tuple(token_realms)
         self._credentials = credentials
         self._resolved: Credentials | None = credentials if isinstance(credentials, Credentials) else None
         self._clock = clock
@@ -306,6 +367,39 @@ class RegistryAuth(httpx.Auth):
                 source = self._credentials
                 self._resolved = (source() if callable(source) else source) or ANONYMOUS
             return self._resolved
+
+    def same_origin(self, url: httpx.URL) -> bool:
+        return _origin(url) == _origin(self.origin)
+
+    def trusted_realms(self) -> tuple[str, ...]:
+        try:
+            configured = (self._token_realms if self._token_realms is not None
+                          else token_realms_from_env(self.registry))
+        except CredentialError as exc:
+            raise RealmRefused(f"{self.registry}: {exc}", 401) from None
+        return DEFAULT_TOKEN_REALMS.get(_registry_key(self.registry), ()) + configured
+
+    def check_realm(self, challenge: Challenge) -> None:
+        """Refuse a token service the credentials must not reach: not http(s), plain http where the
+        registry speaks https (credentials in clear), or another host:port nobody named."""
+        try:
+            realm: httpx.URL | None = httpx.URL(challenge.realm)
+        except httpx.InvalidURL:
+            realm = None
+        if realm is None or realm.scheme not in _DEFAULT_PORTS or not realm.host:
+            raise RealmRefused(f"{self.registry}: the token realm {escaped(challenge.realm)} is not an "
+                               f"http(s) URL", 401)
+        scheme, host, port = _origin(realm)
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if scheme == "http" and self.origin.scheme != "http" and not is_loopback(host):
+            raise RealmRefused(f"{self.registry}: the token realm {shown} is plain http while the registry "
+                               f"speaks https; credentials are not sent in clear", 401)
+        if (host, port) == _origin(self.origin)[1:]:
+            return
+        if not any(_names_host(entry, realm) for entry in self.trusted_realms()):
+            raise RealmRefused(f"{self.registry}: the registry sends token requests to another host, {shown}; "
+                               f"no credentials go there unless {TOKEN_REALMS_ENV} names it for this "
+                               f"registry ({self.registry}={shown})", 401)
 
     def _request_scopes(self, request: httpx.Request) -> tuple[str, ...]:
         return merge_scopes(scopes_for(request.method, request.url.path, dict(request.url.params)))
@@ -386,6 +480,9 @@ class RegistryAuth(httpx.Auth):
             return token
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if not self.same_origin(request.url):
+            yield request  # not the registry: no credentials go there, and its 401s are not ours to answer
+            return
         scopes = self._request_scopes(request)
         challenge = self._challenge
         if "Authorization" not in request.headers and not self._authorize(request, scopes):
@@ -395,11 +492,15 @@ class RegistryAuth(httpx.Auth):
                 token = yield from self._fetch_token(challenge, scopes)
                 request.headers["Authorization"] = f"Bearer {token}"
         response = yield request
-        if response.status_code != 401:
+        # A 401 from where a redirect led (blob storage) is the caller's error: answering it would
+        # hand the registry's credentials to that host, and the registry's own state stays as it is.
+        if response.status_code != 401 or not self.same_origin(response.request.url):
             return
         challenge = parse_challenge(response.headers.get("www-authenticate", ""))
         if challenge is None or challenge.scheme not in ("basic", "bearer"):
             return
+        if challenge.scheme == "bearer":
+            self.check_realm(challenge)
         self._challenge = challenge
         if challenge.scheme == "basic":
             if self.credentials.empty or request.headers.get("Authorization", "").startswith("Basic"):

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .oci.names import BadName, check_descriptor
+from .oci_auth import AuthDenied
 from .oci_locations import BlobLocations
 from .registry import INDEX_TYPES, OCI_INDEX, Registry, RegistryAuthError, RegistryError
 
@@ -225,6 +227,33 @@ class _BlobReader:
     close = reset
 
 
+def _checked_descriptors(registry: Registry, repository: str, where: str, descriptors: object,
+                         what: str) -> list[dict]:
+    """Descriptors a registry served (`where`: `@digest` or `:tag` of what listed them), every digest
+    in the OCI grammar before any of them is requested."""
+    listed = descriptors if isinstance(descriptors, list) else [descriptors]
+    try:
+        return [check_descriptor(descriptor, what) for descriptor in listed]
+    except BadName as exc:
+        raise RegistryError(f"{registry.registry}/{repository}{where}: {exc}", registry=registry.registry,
+                            repository=repository, operation="copy") from None
+
+
+def _check_manifest(registry: Registry, repository: str, digest: str, document: object) -> dict:
+    """A manifest's children, config and layers checked at once: a bad digest anywhere stops the copy
+    before a request for any of them goes out."""
+    if not isinstance(document, dict):
+        raise RegistryError(f"{registry.registry}/{repository}@{digest}: the manifest is not a JSON object",
+                            registry=registry.registry, repository=repository, operation="copy")
+    if "manifests" in document:
+        _checked_descriptors(registry, repository, f"@{digest}", document["manifests"], "child manifest")
+    if "config" in document:
+        _checked_descriptors(registry, repository, f"@{digest}", document["config"], "config")
+    if "layers" in document:
+        _checked_descriptors(registry, repository, f"@{digest}", document["layers"], "layer")
+    return document
+
+
 def _blobs(manifest: dict) -> list[dict]:
     """Config and layers; non-distributable layers (foreign `urls`) stay where they are."""
     descriptors = [manifest["config"], *manifest.get("layers", [])] if "config" in manifest else []
@@ -255,7 +284,7 @@ class _Copier:
         raw, media_type, actual = known or self.source.get_manifest(self.source_repository, digest)
         if image:
             self._tree.append(actual)
-        document = json.loads(raw)
+        document = _check_manifest(self.source, self.source_repository, actual, json.loads(raw))
         if self.target.head_manifest(self.target_repository, actual) == actual:
             self.stats.add(manifests_present=1)
             for child in document.get("manifests", []) if image and media_type in INDEX_TYPES else []:
@@ -439,8 +468,13 @@ class _Copier:
         except (httpx.TransportError, httpx.StreamError, _SourceBroke):
             reader.reset()
             return 0, None
+        except AuthDenied as exc:
+            raise RegistryAuthError(f"{exc} (upload chunk {self.target.registry}/{self.target_repository})",
+                                    registry=self.target.registry, repository=self.target_repository,
+                                    operation="upload chunk", status=exc.status) from None
         if response.status_code == 202:
-            return 202, self.target._location(response) if "location" in response.headers else None
+            return 202, (self.target._location(response, self.target_repository)
+                         if "location" in response.headers else None)
         reader.reset()
         if response.status_code in (416, 429) or response.status_code >= 500:
             return response.status_code, None
@@ -472,7 +506,9 @@ class _Copier:
         descriptors = self.source.referrers(self.source_repository, digest)
         if descriptors is None:  # no Referrers API: the fallback tag's index lists them
             fallback = self.source.find_manifest(self.source_repository, cosign_tag(digest))
-            descriptors = list(json.loads(fallback[0]).get("manifests") or []) if fallback else []
+            listed = (json.loads(fallback[0]).get("manifests") or []) if fallback else []
+            descriptors = _checked_descriptors(self.source, self.source_repository, f":{cosign_tag(digest)}",
+                                               listed, "referrer")
         return descriptors
 
     def copy_referrers(self, digest: str, descriptors: list[dict]) -> None:

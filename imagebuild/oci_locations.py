@@ -5,6 +5,8 @@ told which one. Copies remember where each blob landed, so a later copy of an im
 blobs with an earlier one, into another repository of the same registry, mounts them instead
 of uploading them again (skopeo keeps a blob-info cache for the same reason). The file holds
 digests and repository names only; a wrong or stale hint costs one refused mount, nothing more.
+Entries outside the OCI grammar (a damaged or edited file) are dropped when read: a hint goes
+into a mount request's query.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from .oci.names import is_digest, is_repository
 
 MAX_DIGESTS_PER_REGISTRY = 20000
 MAX_REPOSITORIES_PER_DIGEST = 4
@@ -49,8 +53,8 @@ class BlobLocations:
         known = data.get("locations") if isinstance(data, dict) else None
         if not isinstance(known, dict):
             return {}
-        return {str(registry): {str(d): [str(r) for r in repos][:MAX_REPOSITORIES_PER_DIGEST]
-                                for d, repos in digests.items() if isinstance(repos, list)}
+        return {str(registry): {d: [r for r in repos if is_repository(r)][:MAX_REPOSITORIES_PER_DIGEST]
+                                for d, repos in digests.items() if is_digest(d) and isinstance(repos, list)}
                 for registry, digests in known.items() if isinstance(digests, dict)}
 
     def hints(self, registry: str, digest: str) -> list[str]:

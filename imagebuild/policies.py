@@ -7,7 +7,8 @@
 - kyverno-clusterpolicy.yaml: Kyverno's ClusterPolicy with verifyImages (kyverno.io/v1);
 - kyverno-imagevalidatingpolicy.yaml: Kyverno's ImageValidatingPolicy (policies.kyverno.io/v1beta1);
 - webhook.yaml: Namespace, ServiceAccount, ConfigMap (the trust configuration), Deployment,
-  Service and ValidatingWebhookConfiguration for imagebuild's own webhook.
+  Service, MutatingWebhookConfiguration (/mutate: tags pinned to the verified digest) and
+  ValidatingWebhookConfiguration (/validate) for imagebuild's own webhook.
 
 Every key of the configuration becomes its own authority/attestor and any one of them suffices,
 so during a key rotation images signed with the old or the new key are admitted. Signatures are
@@ -22,14 +23,15 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
 
 from .attest import KINDS, PREDICATE_TYPES
+from .oci import reference
 from .provenance import BUILD_TYPE
-from .trust import SEVERITIES, TRUST_SCHEMA, FailurePolicy, Mode, PublicKey, TrustConfig
+from .trust import SEVERITIES, TRUST_SCHEMA, FailurePolicy, Mode, PublicKey, TrustConfig, glob_matches
 
 ATTESTATION_ORDER = tuple(kind.name for kind in KINDS)
 
@@ -65,10 +67,14 @@ def generate(config: TrustConfig, options: Options) -> tuple[GeneratedFile, ...]
         GeneratedFile(CLUSTER_IMAGE_POLICY, _document_file(config, options, cluster_image_policy(config), (
             "sigstore policy-controller. It enforces only in namespaces labelled",
             "policy.sigstore.dev/include=true. Key authorities without `ctlog` skip the transparency log.",
+            "Globs cannot ignore case: a covered image spelled with its host in other case (or its port",
+            "with leading zeros) matches none and is refused by no-match-policy: deny (the default; keep it).",
         ))),
         GeneratedFile(KYVERNO_CLUSTER_POLICY, _document_file(config, options, kyverno_cluster_policy(config), (
             "Kyverno ClusterPolicy with verifyImages (deprecated since Kyverno 1.17 in favour of",
-            "ImageValidatingPolicy, still served). Tags are mutated to the verified digest.",
+            "ImageValidatingPolicy, still served). Tags are mutated to the verified digest. A covered",
+            "image spelled with its host in other case or its port with leading zeros is refused",
+            "(verifyImages would skip it).",
         ))),
         GeneratedFile(KYVERNO_IMAGE_VALIDATING_POLICY, _document_file(
             config, options, kyverno_image_validating_policy(config), (
@@ -81,8 +87,8 @@ def generate(config: TrustConfig, options: Options) -> tuple[GeneratedFile, ...]
 
 def _webhook_notes(config: TrustConfig, options: Options) -> tuple[str, ...]:
     ns, secret = config.webhook.namespace, tls_secret_name(config)
-    ca = (("The ValidatingWebhookConfiguration's caBundle is the --ca-bundle given.",) if options.ca_bundle is not None
-          else ("cert-manager's cainjector fills the caBundle from the Certificate named in the annotation;",
+    ca = (("Both webhook configurations' caBundle is the --ca-bundle given.",) if options.ca_bundle is not None
+          else ("cert-manager's cainjector fills both caBundles from the Certificate named in the annotation;",
                 "without cert-manager, generate again with --ca-bundle FILE (the CA's PEM)."))
     return (
         "`imagebuild admission serve` in the cluster. Before applying, create the TLS Secret for",
@@ -139,23 +145,165 @@ def _severities_from(threshold: str) -> list[str]:
     return list(SEVERITIES[SEVERITIES.index(threshold):])
 
 
+# --- spellings ---------------------------------------------------------------------------------
+#
+# The webhook reads every image through imagebuild.oci.reference, so `Harbor.example.com:443/p/x`,
+# `harbor.example.com/p/x`, `nginx`, `docker.io/nginx` and `index.docker.io/library/nginx` are
+# each one image to it. Admission controllers match the text of the Pod spec instead, each after
+# its own normalisation (or none), so every spelling the runtime pulls from the same place must be
+# in each policy's patterns, or it escapes the policy:
+# - policy-controller: globs against go-containerregistry's name (docker.io -> index.docker.io,
+#   library/ added there, :latest added), then against the text as written; host case kept.
+# - Kyverno ClusterPolicy: wildcards (`*` any run, `?` and `.` one character) against
+#   `registry/path:tag` or `registry/path@digest` (docker.io added when no host is written;
+#   library/ added to one-part names by newer Kyverno only); host case kept.
+# - Kyverno ImageValidatingPolicy: globs or CEL against the text exactly as written.
+# Host case cannot be written as a glob of policy-controller or a Kyverno wildcard; see
+# kyverno_spelling_rule and the notes in each file.
+
+HUB_HOSTS = ("docker.io", "index.docker.io", "registry-1.docker.io")
+
+
+@dataclass(frozen=True)
+class Spelling:
+    host: str | None  # None: a glob without a host part (`**`), or Docker Hub's implicit host
+    path: str  # trust glob syntax: `*` within a segment, `**` anything
+    implicit: bool = False  # Docker Hub with no host written (`nginx`, `user/app`)
+
+    def __str__(self) -> str:
+        return self.path if self.host is None else f"{self.host}/{self.path}"
+
+
+def _with_https_port(host: str) -> list[str]:
+    has_port = ":" in host.rpartition("]")[2]
+    if has_port or host.endswith("*") or reference.is_loopback(host):
+        return [host]
+    return [host, f"{host}:{reference.HTTPS_PORT}"]
+
+
+def _hub_hosts() -> list[str]:
+    return [h for base in HUB_HOSTS for h in _with_https_port(base)]
+
+
+def _host_spellings(host: str) -> tuple[list[str], bool]:
+    """The spellings of a glob's host part, and whether it names Docker Hub (whose host may be left out)."""
+    if "*" in host:
+        hub = any(glob_matches(host, h) for h in HUB_HOSTS)
+        return _with_https_port(host) + (_hub_hosts() if hub else []), hub
+    try:
+        api = reference.normalise_host(host)
+    except reference.ReferenceError:
+        return [host], False  # no image has this host (the webhook refuses it), so no other spelling
+    if api == reference.DOCKER_HUB:
+        return _hub_hosts(), True
+    return _with_https_port(api), False
+
+
+def _one_part(path: str) -> str | None:
+    """The one-part Docker Hub spelling of a path glob that can name `library/<name>`, if any."""
+    if path.startswith("**"):
+        return "*"
+    rest = path[len(reference.OFFICIAL_PREFIX):] if path.startswith(reference.OFFICIAL_PREFIX) else (
+        path[2:] if path.startswith("*/") else None)
+    if rest is None:
+        return None
+    if "**" in rest:
+        return "*"  # wider than the glob (any one-part name): wider only means more must be signed
+    return rest if "/" not in rest else None
+
+
+def spellings(glob: str) -> list[Spelling]:
+    """Every spelling of the repositories a trust glob names that the runtime pulls from the same
+    place and the webhook reads as the same image, host case aside: the host normalised and with an
+    explicit :443 (not for loopback hosts, reached over http), and for Docker Hub its three host
+    names, no host at all, and `x` for `library/x`."""
+    host, slash, path = glob.partition("/")
+    if not slash:
+        return [Spelling(None, glob)]
+    hosts, hub = _host_spellings(host)
+    one_part = _one_part(path) if hub else None
+    paths = [path] + ([one_part] if one_part else [])
+    out = [Spelling(h, p) for h in hosts for p in paths]
+    if hub:
+        # Without a host, a first segment with a dot or a colon would be read as a host, not Hub's.
+        out += [Spelling(None, p, implicit=True) for p in paths if "/" not in p or not re.search(r"[.:]", p.split("/")[0])]
+    return list(dict.fromkeys(out))
+
+
+def all_spellings(images: Iterable[str]) -> list[Spelling]:
+    return list(dict.fromkeys(s for glob in images for s in spellings(glob)))
+
+
 def policy_controller_globs(images: Iterable[str]) -> list[str]:
-    """policy-controller matches globs against the whole reference, tag or digest included,
-    with the same `*` (one path segment) and `**` (anything) as the trust configuration."""
+    """policy-controller matches globs against the whole reference, tag or digest included, with the
+    same `*` (one path segment) and `**` (anything) as the trust configuration. It names Docker Hub
+    index.docker.io (docker.io is rewritten to it, library/ added), so spellings without a host
+    add nothing (and `*:*` from one would cover images of every registry)."""
     out: list[str] = []
-    for glob in images:
+    for spelling in all_spellings(images):
+        if spelling.implicit:
+            continue
+        host = "index.docker.io" if spelling.host == "docker.io" else spelling.host
+        glob = str(replace(spelling, host=host))
         out += [f"{glob}:*", f"{glob}@*"]
-    return out
+    return list(dict.fromkeys(out))
+
+
+def _over_wide(spelling: Spelling) -> bool:
+    """A hostless spelling starting with a wildcard: as a Kyverno pattern (`*` crosses `/`) it
+    would cover images of every registry, not Docker Hub's only."""
+    return spelling.implicit and spelling.path.startswith("*")
 
 
 def kyverno_patterns(images: Iterable[str]) -> list[str]:
     """Kyverno's wildcards have one `*` for any run of characters, `/` included: a trust glob's
-    `*` widens to every depth there. Wider only means more images must be signed."""
+    `*` widens to every depth there. Wider only means more images must be signed. Kyverno adds
+    docker.io to a name without a host (enableDefaultRegistryMutation, the default) before
+    matching; the hostless spellings are for a Kyverno where that is off, except over-wide ones."""
     out: list[str] = []
-    for glob in images:
-        pattern = glob.replace("**", "*")
-        out += [f"{pattern}:*", f"{pattern}@*"]
+    for spelling in all_spellings(images):
+        if not _over_wide(spelling):
+            pattern = str(spelling).replace("**", "*")
+            out += [f"{pattern}:*", f"{pattern}@*"]
     return list(dict.fromkeys(out))
+
+
+def _glob_regex(text: str, *, implicit: bool = False) -> str:
+    """A trust glob as a regular expression in the syntax RE2 (Kyverno's Go) and Python share, with
+    no backslash: `*` -> [^/]*, `**` -> .*, dots as [.]. With `implicit`, wildcards in the first
+    segment match no dot or colon (a first segment with one is a host, not Docker Hub's)."""
+    out: list[str] = []
+    first = implicit and "/" in text
+    for part in re.split(r"(\*\*|\*|/)", text):
+        if part == "/":
+            first = False
+            out.append("/")
+        elif part == "**":
+            out.append("[^/.:]*(?:/.*)?" if first else ".*")
+        elif part == "*":
+            out.append("[^/.:]*" if first else "[^/]*")
+        else:
+            out.append("".join({".": "[.]", "[": "[[]", "]": "[]]"}.get(c, c) for c in part))
+    return "".join(out)
+
+
+def _spelling_regex(spelling: Spelling, *, loose: bool) -> str:
+    path = _glob_regex(spelling.path, implicit=spelling.implicit)
+    if spelling.host is None:
+        return path
+    host = _glob_regex(spelling.host)
+    if loose:  # a port with leading zeros is the same port to the runtime (`:0443`)
+        host = re.sub(r":([0-9]+)$", r":0*\1", host)
+    return f"{host}/{path}"
+
+
+def spelling_regex(images: Iterable[str], *, any_case: bool) -> str:
+    """One anchored regular expression for every spelling of the covered images as written in a Pod
+    spec, tag and digest optional. `any_case`: also the spellings no glob or wildcard can list,
+    host in other case (everything ignores case) and ports with leading zeros."""
+    alternatives = [_spelling_regex(s, loose=any_case) for s in all_spellings(images)]
+    body = "|".join(dict.fromkeys(alternatives))
+    return ("(?i)" if any_case else "") + f"^(?:{body})(?::[^/@]*)?(?:@[^/]*)?$"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +457,32 @@ def kyverno_cluster_policy(config: TrustConfig) -> dict[str, Any]:
                 "name": "verify-imagebuild-signatures",
                 "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
                 "verifyImages": [verify],
+            }, kyverno_spelling_rule(config, action)],
+        },
+    }
+
+
+def kyverno_spelling_rule(config: TrustConfig, action: str) -> dict[str, Any]:
+    """verifyImages matches case-sensitively and its wildcards cannot ignore case or leading zeros,
+    so a covered image spelled `Harbor.example.com/...` or `harbor.example.com:0443/...` (pulled
+    from the same registry) would be admitted unverified. This rule refuses those spellings:
+    covered when case and zeros are ignored, not matched as written."""
+    any_case = spelling_regex(config.images, any_case=True)
+    exact = spelling_regex(config.images, any_case=False)
+    return {
+        "name": "refuse-other-spellings-of-covered-images",
+        "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
+        "validate": {
+            "failureAction": action,
+            "message": "{{ element.image }} names a covered image with its registry host in other case (or "
+                       "its port with leading zeros); write it as the trust configuration does, so that its "
+                       "signature is verified",
+            "foreach": [{
+                "list": "request.object.spec.[ephemeralContainers, initContainers, containers][]",
+                "deny": {"conditions": {"all": [
+                    {"key": f"{{{{ regex_match('{any_case}', element.image) }}}}", "operator": "Equals", "value": True},
+                    {"key": f"{{{{ regex_match('{exact}', element.image) }}}}", "operator": "Equals", "value": False},
+                ]}},
             }],
         },
     }
@@ -377,7 +551,8 @@ def kyverno_image_validating_policy(config: TrustConfig) -> dict[str, Any]:
             "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
             "resources": ["pods"],
         }]},
-        "matchImageReferences": [{"glob": p} for p in kyverno_patterns(config.images)],
+        # The text of the Pod spec as written, every spelling, host in any case (RE2's (?i)).
+        "matchImageReferences": [{"expression": f"ref.matches('{spelling_regex(config.images, any_case=True)}')"}],
         "validationConfigurations": {"mutateDigest": True, "verifyDigest": True, "required": True},
         "attestors": [
             {"name": i, "cosign": {"key": {"data": _pem(key), "hashAlgorithm": "sha256"},
@@ -498,9 +673,36 @@ def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, A
         client_config["caBundle"] = base64.b64encode(options.ca_bundle).decode("ascii")
     else:
         vwc_meta["annotations"] = {"cert-manager.io/inject-ca-from": f"{hook.namespace}/{tls_secret_name(config)}"}
+    webhook = _admission_webhook(config, f"{hook.name}.imagebuild.dev", client_config)
+    # The mutating twin rewrites each admitted image to its verified digest (/mutate, same
+    # process). IfNeeded: another mutating webhook that changes an image afterwards makes the
+    # API server call it again, so what is stored is what was pinned.
+    mutating = {**_admission_webhook(config, f"{hook.name}-mutate.imagebuild.dev",
+                                     {**client_config, "service": {**client_config["service"], "path": "/mutate"}}),
+                "reinvocationPolicy": "IfNeeded"}
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": hook.namespace, "labels": _labels()}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": {"name": f"{hook.name}-config", "namespace": hook.namespace, "labels": labels},
+         "data": {"trust.yaml": cluster_trust_config(config)}},
+        deployment,
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https",
+                                                   "protocol": "TCP"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+         "metadata": vwc_meta, "webhooks": [mutating]},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+         "metadata": vwc_meta, "webhooks": [webhook]},
+    ]
+
+
+def _admission_webhook(config: TrustConfig, name: str, client_config: dict[str, Any]) -> dict[str, Any]:
+    """One webhook entry; the validating and the mutating configuration differ only in name and path."""
+    hook = config.webhook
     operations = ["CREATE", "UPDATE"]
-    webhook = {
-        "name": f"{hook.name}.imagebuild.dev",
+    return {
+        "name": name,
         "admissionReviewVersions": ["v1"],
         "sideEffects": "None",
         "failurePolicy": _k8s_failure_policy(config),
@@ -521,19 +723,6 @@ def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, A
              "resources": ["cronjobs", "jobs"], "scope": "Namespaced"},
         ],
     }
-    return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": hook.namespace, "labels": _labels()}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": f"{hook.name}-config", "namespace": hook.namespace, "labels": labels},
-         "data": {"trust.yaml": cluster_trust_config(config)}},
-        deployment,
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https",
-                                                   "protocol": "TCP"}]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-         "metadata": vwc_meta, "webhooks": [webhook]},
-    ]
 
 
 # ---------------------------------------------------------------------------------------------

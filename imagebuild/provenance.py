@@ -18,6 +18,7 @@ nothing secret (credentials, keys, environment) can get in. The same inputs give
 """
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import re
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .attest import KINDS, PREDICATE_PROVENANCE, PredicateError
+from .oci import reference
 from .report import BuildReport, LayerRecord, VariantRecord
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -90,10 +92,12 @@ def canonical_sha256(document: Any) -> str:
 
 
 def _repository(image: str) -> str:
-    """registry/repository of a reference: without its digest, and without a tag (a `:` in the last segment)."""
-    name = image.split("@", 1)[0]
-    head, slash, last = name.rpartition("/")
-    return f"{head}{slash}{last.split(':', 1)[0]}" if slash else name
+    """registry/repository of a reference, without tag or digest, in its canonical spelling
+    (imagebuild.oci.reference: `docker.io/library/x`, host lower case, no default port)."""
+    try:
+        return reference.parse(image).canonical_name
+    except reference.ReferenceError as exc:
+        raise PredicateError(f"not an image reference: {exc}") from None
 
 
 def matrix_cell(variant: VariantRecord) -> dict[str, Any]:
@@ -192,12 +196,18 @@ _GATE_KEPT = ("decision", "policy", "evaluated_on", "counts", "blocking", "excep
 
 
 def release_predicate(variant: VariantRecord, *, provenance: Mapping[str, Any], smoke: Mapping[str, Any],
-                      vuln: Mapping[str, Any], gate: Mapping[str, Any], signature: SignatureLayout) -> dict[str, Any]:
+                      vuln: Mapping[str, Any], gate: Mapping[str, Any], signature: SignatureLayout,
+                      sbom: Mapping[str, Any] | None = None, issued_at: str | None = None) -> dict[str, Any]:
     """imagebuild's release record for the variant's image.
 
-    `smoke`, `vuln` and `gate` are the predicates attest.py built for those attestations (each
-    already checked to be about this digest); `provenance` is the provenance predicate, which the
-    record points to by its canonical sha256.
+    `smoke`, `vuln`, `gate` (and `sbom`) are the predicates attest.py built for those attestations
+    (each already checked to be about this digest); `provenance` is the provenance predicate, which
+    the record points to by its canonical sha256.
+
+    `attestations` names every attestation the record vouches for by the canonical sha256 of its
+    predicate, and `issued_at` is when (signed, as the whole record is): verifiers decide which
+    attestations count by these, never by the order of the unsigned `.att` manifest's layers, so
+    an older attestation re-added by someone who can push is ignored.
     """
     digest = variant.digest or ""
     sha256_hex(digest)
@@ -220,6 +230,10 @@ def release_predicate(variant: VariantRecord, *, provenance: Mapping[str, Any], 
         "signature": signature.to_dict(),
         "provenance": {"predicateType": PREDICATE_PROVENANCE, "buildType": BUILD_TYPE,
                        "sha256": canonical_sha256(provenance)},
+        "attestations": {name: canonical_sha256(predicate) for name, predicate in
+                         (("sbom", sbom), ("vuln", vuln), ("smoke", smoke), ("gate", gate), ("provenance", provenance))
+                         if predicate is not None},
+        "issued_at": issued_at or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
     }
 
 

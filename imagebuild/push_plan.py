@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from .oci import reference
 from .source import InputError
 
 # The environment that says who runs a job in CI; recorded with every forced tag move.
@@ -22,8 +23,6 @@ CI_IDENTITY_ENV = ("GITHUB_ACTOR", "GITHUB_TRIGGERING_ACTOR", "GITHUB_REPOSITORY
                    "CI_JOB_ID", "BUILDKITE_BUILD_CREATOR", "BUILDKITE_BUILD_ID")
 
 
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
@@ -31,15 +30,20 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 def split_repository(text: str) -> tuple[str, str]:
-    """`host[:port]/path` -> (host, path); ValueError when there is no registry host or no path."""
-    host, _, path = text.partition("/")
-    if not path or not ("." in host or ":" in host or host == "localhost"):
+    """`host[:port]/path` -> (API host, path), in the one reference grammar (imagebuild.oci.reference:
+    the host normalised); ValueError when there is no registry host or no path, or a tag or digest."""
+    try:
+        parts = reference.split(text)
+    except reference.RepositoryError:
+        raise ValueError(f"'{text}': a repository path is lowercase segments separated by single slashes") from None
+    except reference.ReferenceError as exc:
+        raise ValueError(f"'{text}': {exc}") from None
+    if parts.host is None:
         raise ValueError(f"'{text}' is not REGISTRY/REPOSITORY (e.g. harbor.example.com/paddle)")
-    if "@" in path or ":" in path.rsplit("/", 1)[-1]:
+    if parts.tag is not None or parts.digest is not None:
         raise ValueError(f"'{text}' names a tag or digest; give a repository")
-    if not _REPOSITORY.fullmatch(path):
-        raise ValueError(f"'{text}': a repository path is lowercase segments separated by single slashes")
-    return host, path
+    ref = reference.parse(text)
+    return ref.registry, ref.repository
 
 
 def target_repository(to: str, source_repository: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import getpass
 import json
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,13 +34,14 @@ from .release import ReleaseConfig
 PREFIX = "quarantine-"
 MEDIA_TYPE = "application/vnd.imagebuild.quarantine.v1+json"
 SCHEMA = 1
+_DIGEST = re.compile(r"sha256:([a-f0-9]{64})")
 
 
 def quarantine_tag(digest: str) -> str:
-    algorithm, _, hex_digest = digest.partition(":")
-    if algorithm != "sha256" or len(hex_digest) != 64:
+    match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+    if match is None:
         raise ValueError(f"{digest!r} is not a sha256 digest")
-    return f"{PREFIX}sha256-{hex_digest}"
+    return f"{PREFIX}sha256-{match.group(1)}"
 
 
 def _now() -> str:
@@ -62,8 +64,17 @@ def open_state(config: ReleaseConfig) -> Any:
 
 
 def find(store: Any, digest: str) -> dict[str, Any] | None:
-    """The quarantine mark of `digest`, or None."""
-    return store.read(quarantine_tag(digest))
+    """The quarantine mark of `digest`, or None. A mark that cannot be read (its blob does not match its
+    descriptor, not a JSON object) is refused by the store: StateRefused, never "not quarantined"."""
+    return store.read(quarantine_tag(digest), MEDIA_TYPE)
+
+
+def describe(mark: dict[str, Any]) -> str:
+    """A mark's when, how and why in one line; its text came from the state repository, so escaped."""
+    from .rollout import shown
+
+    return (f"since {shown(mark.get('since'), 64)} ({shown(mark.get('source'), 32)}): "
+            f"{shown(mark.get('reason'), 600)}")
 
 
 def mark(store: Any, digest: str, reason: str, *, images: list[str] | None = None,
@@ -89,7 +100,7 @@ def list_marks(store: Any) -> list[dict[str, Any]]:
     tags = sorted(t for t in store.registry.list_tags(store.repository) if t.startswith(PREFIX))
     found = []
     for tag in tags:
-        record = store.read(tag)
+        record = store.read(tag, MEDIA_TYPE)
         if record is not None:
             found.append(record)
     return found
@@ -104,7 +115,7 @@ def refusal(config: ReleaseConfig, digest: str) -> str | None:
         store.registry.close()
     if record is None:
         return None
-    return (f"{digest} is quarantined since {record.get('since')} ({record.get('source')}): {record.get('reason')}; "
+    return (f"{digest} is quarantined {describe(record)}; "
             f"`imagebuild quarantine --release {config.path} --clear {digest}` lifts it")
 
 

@@ -5,6 +5,11 @@ Credentials and the token flow live in oci_auth, retries in oci_retry, copying i
 httpx instead of the docker SDK because the plan asks the registry about many layer keys
 at once (one HEAD each, concurrently) without pulling anything, and because tagging a
 built image in another repository is a manifest copy, not a re-push.
+
+What a registry answers is untrusted: every digest and tag it names (descriptors, referrers,
+tag lists, Docker-Content-Digest) is checked against the OCI grammar before it goes into a URL,
+and the URLs it hands back (upload Locations, Link pages) must stay on its own origin and
+repository. Its credentials never leave that origin (oci_auth).
 """
 from __future__ import annotations
 
@@ -22,6 +27,19 @@ from typing import Any
 
 import httpx
 
+from .oci import reference
+from .oci.names import (
+    BadName,
+    check_descriptor,
+    check_digest,
+    check_reference,
+    check_repository,
+    check_tag,
+    escaped,
+    is_loopback,
+    is_repository,
+    split_host,
+)
 from .oci_auth import AuthDenied, CredentialError, Credentials, DockerConfig, RegistryAuth, credentials_for
 from .oci_retry import RetryingTransport, RetryLog, RetryPolicy, tls_failure
 
@@ -33,7 +51,9 @@ MANIFEST_TYPES = ", ".join([
 ])
 
 
-DOCKER_HUB = "registry-1.docker.io"
+DOCKER_HUB = reference.DOCKER_HUB
+# Distribution refuses to store a manifest over 4 MiB; nothing larger is read from a registry.
+MAX_MANIFEST_BYTES = 4 << 20
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -68,19 +88,10 @@ class ImageRef:
 
     @classmethod
     def parse(cls, text: str) -> ImageRef:
-        """Docker's rules: no registry host means Docker Hub, and a one-part name is library/."""
-        name, at, after = text.partition("@")
-        digest = after if at else None
-        registry, _, rest = name.partition("/")
-        if not rest or not ("." in registry or ":" in registry or registry == "localhost"):
-            registry, rest = DOCKER_HUB, name if "/" in name else f"library/{name}"
-        elif registry == "docker.io":
-            registry = DOCKER_HUB
-            rest = rest if "/" in rest.split(":", 1)[0] else f"library/{rest}"
-        tag = None
-        if ":" in rest.rsplit("/", 1)[-1]:
-            rest, tag = rest.rsplit(":", 1)
-        return cls(registry, rest, tag, digest)
+        """Docker's rules (no registry host means Docker Hub, a one-part name is library/), in the one
+        grammar of imagebuild.oci.reference: normalised, and ValueError for what is not a reference."""
+        ref = reference.parse(text)
+        return cls(ref.registry, ref.repository, ref.tag, ref.digest)
 
     @property
     def reference(self) -> str:
@@ -96,8 +107,12 @@ class ImageRef:
 
 
 def _is_local(registry: str) -> bool:
-    host = registry.rsplit(":", 1)[0] if registry.count(":") == 1 else registry
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """A loopback address or `localhost`; a name such as `127.evil.example` is not one."""
+    return is_loopback(split_host(registry)[0])
+
+
+def _digest_of(data: bytes, algorithm: str = "sha256") -> str:
+    return f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}"
 
 
 def base_url(registry: str, insecure: bool | None = None, ca_bundle: Path | None = None) -> str:
@@ -131,21 +146,24 @@ class Registry:
     """Synchronous client for one registry host.
 
     Credentials: `username`/`password` or `credentials` when given, else what the Docker config
-    (and its credential helpers) holds for this host, looked up on the first challenge.
+    (and its credential helpers) holds for this host, looked up on the first challenge. They go
+    to this registry's origin only; `token_realms` names the other hosts trusted to issue its
+    tokens (None: IMAGEBUILD_TOKEN_REALMS, see oci_auth).
     """
 
     def __init__(self, registry: str, username: str | None = None, password: str | None = None,
                  insecure: bool | None = None, timeout: float = 30.0, *,
                  credentials: Credentials | None = None, ca_bundle: Path | None = None,
                  retry: RetryPolicy | None = None, docker_config: Path | None = None,
-                 event_hooks: dict | None = None, max_connections: int = 16):
+                 event_hooks: dict | None = None, max_connections: int = 16,
+                 token_realms: Iterable[str] | None = None):
         self.registry = registry
         self.url = base_url(registry, insecure, ca_bundle)
         if username is not None:
             credentials = Credentials(username, password or "")
         source: Credentials | Callable[[], Credentials] = (
             credentials if credentials is not None else self._docker_credentials(docker_config))
-        self.auth = RegistryAuth(registry, source)
+        self.auth = RegistryAuth(registry, source, origin=self.url, token_realms=token_realms)
         self.retry_log = RetryLog()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # Plain http needs no TLS context at all.
@@ -179,8 +197,44 @@ class Registry:
     def _where(self, repository: str | None, reference: str | None = None) -> str:
         where = f"{self.registry}/{repository}" if repository else self.registry
         if reference:
-            where += f"@{reference}" if reference.startswith("sha256:") else f":{reference}"
+            where += f"@{reference}" if ":" in reference else f":{reference}"
         return where
+
+    def _refuse(self, exc: BadName, operation: str, repository: str | None = None) -> RegistryError:
+        shown = repository if repository is not None and is_repository(repository) else None
+        return RegistryError(f"{self._where(shown)}: {operation}: {exc}", registry=self.registry,
+                             repository=shown, operation=operation)
+
+    def _checked(self, check: Callable[[object, str], object], value: object, what: str, operation: str,
+                 repository: str) -> None:
+        """A value the registry answered, refused (naming it escaped) outside the OCI grammar."""
+        try:
+            check(value, f"the registry's {what}")
+        except BadName as exc:
+            raise self._refuse(exc, operation, repository) from None
+
+    def _path(self, repository: str, kind: str, reference: str = "", operation: str = "") -> str:
+        """`/v2/<repository>/<kind>/<reference>`, refused unless each part is in the OCI grammar:
+        a digest or tag from a registry never reaches another path (`../`, `/`, `?`, `#`)."""
+        try:
+            check_repository(repository)
+            if kind in ("blobs", "referrers"):
+                check_digest(reference)
+            elif reference:
+                check_reference(reference)
+        except BadName as exc:
+            raise self._refuse(exc, operation or kind, repository) from None
+        return f"/v2/{repository}/{kind}/{reference}" if reference else f"/v2/{repository}/{kind}"
+
+    def _same_registry(self, url: httpx.URL, repository: str, prefix: str, operation: str) -> str:
+        """A URL the registry handed back (an upload Location, a Link), kept to its origin and to
+        `/v2/<repository>/<prefix>`: elsewhere it would take our credentials, or our blobs."""
+        if not self.auth.same_origin(url) or not url.path.startswith(f"/v2/{repository}/{prefix}"):
+            raise RegistryError(f"{self._where(repository)}: {operation}: the registry pointed at "
+                                f"{escaped(str(url.copy_with(query=None)))}, outside this registry's "
+                                f"/v2/{repository}/{prefix}", registry=self.registry, repository=repository,
+                                operation=operation)
+        return str(url)
 
     def _request(self, method: str, path: str, *, repository: str | None = None, operation: str | None = None,
                  **kwargs: Any) -> httpx.Response:
@@ -199,6 +253,14 @@ class Registry:
     def _fail(self, response: httpx.Response, operation: str, repository: str | None,
               reference: str | None = None) -> RegistryError:
         status = response.status_code
+        if not self.auth.same_origin(response.url):
+            # A redirect target (blob storage): it never gets the registry's credentials.
+            elsewhere = f"{response.url.host}:{response.url.port or ''}".rstrip(":")
+            other = RegistryUnreachable if status >= 500 or status == 429 else RegistryError
+            return other(f"{self._where(repository, reference)}: {operation}: the redirect target "
+                         f"{escaped(elsewhere)} answered HTTP {status} (the registry's credentials are never "
+                         f"sent to a redirect's host)", registry=self.registry, repository=repository,
+                         operation=operation, status=status)
         kind = (RegistryAuthError if status in (401, 403) else
                 RegistryUnreachable if status >= 500 or status == 429 else RegistryError)
         hint = ""
@@ -219,13 +281,14 @@ class Registry:
         """Prove the credentials work for a repository now, before any work depends on them:
         a HEAD of a tag that need not exist (pull), or opening and cancelling an upload (push)."""
         if push:
-            response = self._request("POST", f"/v2/{repository}/blobs/uploads/", repository=repository,
+            response = self._request("POST", self._path(repository, "blobs/uploads/"), repository=repository,
                                      operation="start upload")
             if response.status_code == 202 and response.headers.get("location"):
-                self._request("DELETE", self._location(response), repository=repository, operation="cancel upload")
+                self._request("DELETE", self._location(response, repository), repository=repository,
+                              operation="cancel upload")
                 return
         else:
-            response = self._request("HEAD", f"/v2/{repository}/manifests/imagebuild-access-check",
+            response = self._request("HEAD", self._path(repository, "manifests", "imagebuild-access-check"),
                                      headers={"Accept": MANIFEST_TYPES}, repository=repository,
                                      operation="HEAD manifest")
             if response.status_code in (200, 404):
@@ -236,40 +299,63 @@ class Registry:
 
     def head_manifest(self, repository: str, reference: str) -> str | None:
         """The manifest digest for a tag or digest, or None when absent."""
-        response = self._request("HEAD", f"/v2/{repository}/manifests/{reference}",
+        response = self._request("HEAD", self._path(repository, "manifests", reference, "HEAD manifest"),
                                  headers={"Accept": MANIFEST_TYPES}, repository=repository, operation="HEAD manifest")
         if response.status_code == 404:
             return None
         if response.status_code != 200:
             raise self._fail(response, "HEAD manifest", repository, reference)
-        return response.headers.get("docker-content-digest")
+        found = response.headers.get("docker-content-digest")
+        if found is not None:
+            self._checked(check_digest, found, "Docker-Content-Digest", "HEAD manifest", repository)
+        return found
 
     def list_tags(self, repository: str, page_size: int = 10000) -> set[str]:
         """Every tag of a repository (empty when it does not exist), following Link pagination."""
         tags: set[str] = set()
-        url: str | None = f"/v2/{repository}/tags/list?n={page_size}"
+        url: str | None = f"{self._path(repository, 'tags/list', operation='list tags')}?n={page_size}"
         while url:
             response = self._request("GET", url, repository=repository, operation="list tags")
             if response.status_code == 404:
                 return tags
             if response.status_code != 200:
                 raise self._fail(response, "list tags", repository)
-            tags.update(response.json().get("tags") or [])
+            listed = response.json().get("tags") or []
+            listed = listed if isinstance(listed, list) else [listed]
+            for tag in listed:
+                self._checked(check_tag, tag, "tag", "list tags", repository)
+            tags.update(listed)
             link = response.headers.get("link", "")
             match = re.match(r'\s*<([^>]+)>\s*;\s*rel="?next"?', link)
-            url = match.group(1) if match else None
+            url = (self._same_registry(response.url.join(match.group(1)), repository, "tags/list", "list tags")
+                   if match else None)
         return tags
 
-    def get_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str]:
+    def get_manifest(self, repository: str, reference: str,
+                     max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[bytes, str, str]:
         """(raw bytes, media type, digest). The digest is computed from the bytes, which are verified
-        against the reference when it is a digest."""
-        response = self._request("GET", f"/v2/{repository}/manifests/{reference}",
-                                 headers={"Accept": MANIFEST_TYPES}, repository=repository, operation="GET manifest")
-        if response.status_code != 200:
-            raise self._fail(response, "GET manifest", repository, reference)
-        raw = response.content
-        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
-        if reference.startswith("sha256:") and digest != reference:
+        against the reference when it is a digest. A manifest over `max_bytes` is refused while it is
+        read (a hostile registry cannot make us hold more)."""
+        request = self.client.build_request("GET", self._path(repository, "manifests", reference, "GET manifest"),
+                                            headers={"Accept": MANIFEST_TYPES})
+        try:
+            response = self.client.send(request, stream=True)
+        except AuthDenied as exc:
+            raise RegistryAuthError(f"{exc} (GET manifest {self._where(repository)})", registry=self.registry,
+                                    repository=repository, operation="GET manifest", status=exc.status) from None
+        except httpx.HTTPError as exc:
+            raise RegistryUnreachable(f"{self._where(repository)}: GET manifest: {exc.__class__.__name__}: "
+                                      f"{_scrub(str(exc), self.auth)}", registry=self.registry,
+                                      repository=repository, operation="GET manifest") from None
+        try:
+            if response.status_code != 200:
+                response.read()
+                raise self._fail(response, "GET manifest", repository, reference)
+            raw = self._read_limited(response, max_bytes, repository, reference, "GET manifest")
+        finally:
+            response.close()
+        digest = _digest_of(raw, reference.split(":", 1)[0] if ":" in reference else "sha256")
+        if ":" in reference and digest != reference:
             raise RegistryError(f"{self._where(repository, reference)}: GET manifest: the bytes served hash to "
                                 f"{digest}", registry=self.registry, repository=repository, operation="GET manifest")
         media_type = response.headers.get("content-type", "").split(";")[0].strip()
@@ -277,31 +363,39 @@ class Registry:
             media_type = json.loads(raw).get("mediaType", media_type)
         return raw, media_type, digest
 
-    def find_manifest(self, repository: str, reference: str) -> tuple[bytes, str, str] | None:
+    def find_manifest(self, repository: str, reference: str,
+                      max_bytes: int = MAX_MANIFEST_BYTES) -> tuple[bytes, str, str] | None:
         """get_manifest, or None when the registry says it does not exist (404)."""
         try:
-            return self.get_manifest(repository, reference)
+            return self.get_manifest(repository, reference, max_bytes)
         except RegistryError as exc:
             if exc.status == 404:
                 return None
             raise
 
     def put_manifest(self, repository: str, reference: str, raw: bytes, media_type: str) -> str:
-        response = self._request("PUT", f"/v2/{repository}/manifests/{reference}", content=raw,
+        response = self._request("PUT", self._path(repository, "manifests", reference, "PUT manifest"), content=raw,
                                  headers={"Content-Type": media_type}, repository=repository, operation="PUT manifest")
         if response.status_code not in (200, 201):
             raise self._fail(response, "PUT manifest", repository, reference)
-        return response.headers.get("docker-content-digest", "") or "sha256:" + hashlib.sha256(raw).hexdigest()
+        found = response.headers.get("docker-content-digest", "")
+        if found:
+            self._checked(check_digest, found, "Docker-Content-Digest", "PUT manifest", repository)
+        return found or _digest_of(raw)
 
     def referrers(self, repository: str, digest: str) -> list[dict] | None:
         """The OCI 1.1 Referrers API's descriptors for `digest`, or None when the registry does not serve it."""
         if self._no_referrers_api:
             return None
-        response = self._request("GET", f"/v2/{repository}/referrers/{digest}",
+        response = self._request("GET", self._path(repository, "referrers", digest, "GET referrers"),
                                  headers={"Accept": OCI_INDEX}, repository=repository, operation="GET referrers")
         content_type = response.headers.get("content-type", "").split(";")[0].strip()
         if response.status_code == 200 and content_type == OCI_INDEX:
-            return list(response.json().get("manifests") or [])
+            descriptors = response.json().get("manifests") or []
+            descriptors = descriptors if isinstance(descriptors, list) else [descriptors]
+            for descriptor in descriptors:
+                self._checked(check_descriptor, descriptor, "referrer", "GET referrers", repository)
+            return descriptors
         if response.status_code in (404, 405, 400) or response.status_code == 200:
             # No such route (distribution 2.x answers a plain-text 404): the fallback tag schema,
             # from now on without asking. A JSON error is about this repository, not the route.
@@ -313,7 +407,7 @@ class Registry:
 
     def blob_size(self, repository: str, digest: str) -> int | None:
         """The blob's size when the repository holds it, else None."""
-        response = self._request("HEAD", f"/v2/{repository}/blobs/{digest}", repository=repository,
+        response = self._request("HEAD", self._path(repository, "blobs", digest, "HEAD blob"), repository=repository,
                                  operation="HEAD blob", follow_redirects=True)
         if response.status_code == 404:
             return None
@@ -323,36 +417,42 @@ class Registry:
 
     def get_blob(self, repository: str, digest: str) -> bytes:
         """A small blob (a config, a signature's payload) in memory, its digest verified."""
-        response = self._request("GET", f"/v2/{repository}/blobs/{digest}", follow_redirects=True,
+        response = self._request("GET", self._path(repository, "blobs", digest, "GET blob"), follow_redirects=True,
                                  repository=repository, operation="GET blob")
         if response.status_code != 200:
             raise self._fail(response, "GET blob", repository, digest)
-        if "sha256:" + hashlib.sha256(response.content).hexdigest() != digest:
+        if _digest_of(response.content, digest.split(":", 1)[0]) != digest:
             raise RegistryError(f"{self._where(repository, digest)}: GET blob: content does not match its digest",
                                 registry=self.registry, repository=repository, operation="GET blob")
         return response.content
 
     def get_blob_limited(self, repository: str, digest: str, max_bytes: int) -> bytes:
         """A blob, refused (RegistryError) once the registry sends more than max_bytes of it."""
+        with self.open_blob(repository, digest) as response:
+            return self._read_limited(response, max_bytes, repository, digest, "GET blob")
+
+    def _read_limited(self, response: httpx.Response, max_bytes: int, repository: str, reference: str,
+                      operation: str) -> bytes:
+        """A streamed body, refused (RegistryError) once the registry sends more than max_bytes of it:
+        what a hostile registry serves costs at most that much memory."""
         chunks, size = [], 0
         try:
-            with self.open_blob(repository, digest) as response:
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise RegistryError(f"{self._where(repository, digest)}: blob larger than {max_bytes} bytes",
-                                            registry=self.registry, repository=repository, operation="GET blob")
-                    chunks.append(chunk)
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise RegistryError(f"{self._where(repository, reference)}: {operation}: larger than {max_bytes} "
+                                        "bytes", registry=self.registry, repository=repository, operation=operation)
+                chunks.append(chunk)
         except httpx.HTTPError as exc:
-            raise RegistryUnreachable(f"{self._where(repository, digest)}: GET blob: {exc.__class__.__name__}",
-                                      registry=self.registry, repository=repository, operation="GET blob") from None
+            raise RegistryUnreachable(f"{self._where(repository, reference)}: {operation}: {exc.__class__.__name__}",
+                                      registry=self.registry, repository=repository, operation=operation) from None
         return b"".join(chunks)
 
     @contextmanager
     def open_blob(self, repository: str, digest: str, offset: int = 0) -> Iterator[httpx.Response]:
         """A streamed GET of a blob from `offset` on (a Range request past 0)."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        request = self.client.build_request("GET", f"/v2/{repository}/blobs/{digest}", headers=headers)
+        request = self.client.build_request("GET", self._path(repository, "blobs", digest, "GET blob"), headers=headers)
         try:
             response = self.client.send(request, stream=True, follow_redirects=True)
         except AuthDenied as exc:
@@ -370,28 +470,35 @@ class Registry:
         finally:
             response.close()
 
-    def _location(self, response: httpx.Response) -> str:
-        return str(response.url.join(response.headers["location"]))
+    def _location(self, response: httpx.Response, repository: str) -> str:
+        """An upload session's URL, on this registry and in this repository's uploads only."""
+        return self._same_registry(response.url.join(response.headers["location"]), repository, "blobs/uploads/",
+                                   "upload location")
 
     def start_upload(self, repository: str) -> str:
         """Open an upload session; its URL."""
-        response = self._request("POST", f"/v2/{repository}/blobs/uploads/", repository=repository,
+        response = self._request("POST", self._path(repository, "blobs/uploads/"), repository=repository,
                                  operation="start upload")
         if response.status_code != 202 or "location" not in response.headers:
             raise self._fail(response, "start upload", repository)
-        return self._location(response)
+        return self._location(response, repository)
 
     def try_mount(self, repository: str, digest: str, source_repository: str) -> str | None:
         """Mount a blob of `source_repository` (same registry): None when mounted, else the upload
         session the registry opened instead (it may not hold the blob, or may not allow mounts)."""
-        response = self._request("POST", f"/v2/{repository}/blobs/uploads/",
+        try:
+            check_digest(digest)
+            check_repository(source_repository, "mount source")
+        except BadName as exc:
+            raise self._refuse(exc, "mount blob", repository) from None
+        response = self._request("POST", self._path(repository, "blobs/uploads/"),
                                  params={"mount": digest, "from": source_repository},
                                  repository=repository, operation="mount blob")
         if response.status_code == 201:
             return None
         if response.status_code != 202 or "location" not in response.headers:
             raise self._fail(response, "mount blob", repository, digest)
-        return self._location(response)
+        return self._location(response, repository)
 
     def upload_offset(self, repository: str, location: str) -> int | None:
         """How many bytes an upload session holds (its Range), or None when the session is gone."""
@@ -428,7 +535,7 @@ class Registry:
 
     def put_blob(self, repository: str, content: bytes) -> str:
         """Upload a small blob in one request (monolithic upload); its digest. Present already: nothing sent."""
-        digest = "sha256:" + hashlib.sha256(content).hexdigest()
+        digest = _digest_of(content)
         if self.blob_size(repository, digest) is not None:
             return digest
         url = str(httpx.URL(self.start_upload(repository)).copy_merge_params({"digest": digest}))
@@ -441,8 +548,8 @@ class Registry:
     def delete_manifest(self, repository: str, reference: str) -> bool:
         """DELETE a manifest by digest (or a tag, where the registry allows it): False when it was not there.
         Distribution 2.x deletes by digest only (and then every tag on it goes too); a refusal raises."""
-        response = self._request("DELETE", f"/v2/{repository}/manifests/{reference}", repository=repository,
-                                 operation="DELETE manifest")
+        response = self._request("DELETE", self._path(repository, "manifests", reference, "DELETE manifest"),
+                                 repository=repository, operation="DELETE manifest")
         if response.status_code == 404:
             return False
         if response.status_code not in (200, 202):

@@ -252,7 +252,8 @@ def _channels(r: _ReleaseReader, value: Any) -> tuple[str, ...]:
         tag = r.pattern(item, at, TAG_PATTERN, "a valid tag (letters, digits, _ . -; at most 128; no leading . or -)")
         if tag in channels:
             raise r.error(at, f"channel '{tag}' is listed twice")
-        if tag.startswith(("sha256-", "rollout-", "lease-")):
+        # A channel is never a cosign tag (sha256-<hex>.sig/.att) nor a state document's tag.
+        if tag.startswith(("sha256-", "rollout-", "lease-", "channel-", "quarantine-")):
             raise r.error(at, f"'{tag}' is reserved (signature or rollout-state tag names)")
         channels.append(tag)
     return tuple(channels)

@@ -10,6 +10,12 @@ it and a killed run can be resumed from anywhere:
 - `rollout-<id>.abort` and `rollout-<id>.approve-<wave>`: requests other commands leave for
   the running reconciler, so they never race its record writes.
 
+What the state repository holds is untrusted input (anyone with push rights there can write it):
+every blob is hash-checked against its descriptor before it is parsed; a record is checked against
+the plan release.yaml gives (rollout_plan.check_record) and may carry only progress and digests;
+and every tag move, forward or back, first verifies its target in that region against the trust
+configuration and refuses a quarantined digest.
+
 Every step checks the registries before acting and is safe to repeat: a copy finds what the
 target already holds, a tag already at the digest is not written again, a previous digest once
 recorded is never overwritten. A step is marked done only after its effect, so a kill at any
@@ -35,10 +41,22 @@ from . import rollout_gates as gates
 from .oci_copy import CopyOptions, copy_image, cosign_tag
 from .oci_retry import RetryPolicy
 from .registry import OCI_MANIFEST, ImageRef, Registry, RegistryError, RegistryUnreachable
-from .release import ApprovalGate, GateSpec, Region, ReleaseConfig
-from .rollout_plan import RollbackStep, Step, StepKind, plan_rollback, plan_rollout
+from .release import TAG_PATTERN, ApprovalGate, GateSpec, Region, ReleaseConfig
+from .rollout_plan import (
+    DIGEST_PATTERN,
+    ROLLOUT_ID_PATTERN,
+    RecordMismatch,
+    RollbackStep,
+    Step,
+    StepKind,
+    check_channels,
+    check_record,
+    plan_rollback,
+    plan_rollout,
+    previous_pairs,
+)
 from .trust import TrustConfig, load_trust_config
-from .verify import Verifier
+from .verify import Verifier, parse_image
 
 SCHEMA = 1
 RECORD_TYPE = "application/vnd.imagebuild.rollout.record.v1+json"
@@ -77,6 +95,16 @@ class RolloutError(Exception):
 class LeaseHeld(RolloutError):
     def __init__(self, message: str):
         super().__init__(message, EXIT_LEASE_HELD)
+
+
+class StateRefused(RolloutError):
+    """A document of the state repository is refused: malformed, or its blob does not match its descriptor."""
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """A value read from the state repository, fit for a message: control characters escaped, cut short."""
+    text = value if isinstance(value, str) else repr(value)
+    return text.encode("unicode_escape").decode("ascii")[:limit]
 
 
 class _Halt(Exception):
@@ -123,17 +151,37 @@ class StateStore:
         self.registry = registry
         self.repository = repository
 
-    def read(self, tag: str) -> dict[str, Any] | None:
+    def read(self, tag: str, media_type: str | None = None) -> dict[str, Any] | None:
+        """The document under `tag` (None when the tag is absent), read as untrusted input: its one
+        layer's descriptor is checked (digest grammar, size, media type) before the digest goes into a
+        URL, and the blob's sha256 and length must match it before it is parsed. Else StateRefused."""
+        if not TAG_PATTERN.fullmatch(tag):
+            raise StateRefused(f"state repository: '{shown(tag)}' is not a tag")
         found = self.registry.find_manifest(self.repository, tag)
         if found is None:
             return None
-        manifest = json.loads(found[0])
-        layers = manifest.get("layers") or []
-        if not layers:
-            return None
-        blob = self.registry.get_blob_limited(self.repository, layers[0]["digest"], MAX_RECORD_BYTES)
-        data = json.loads(blob)
-        return data if isinstance(data, dict) else None
+        where = f"{self.registry.registry}/{self.repository}:{tag}"
+        layer = _state_layer(found[0], where, media_type)
+        digest, size = layer["digest"], layer["size"]
+        try:
+            blob = self.registry.get_blob_limited(self.repository, digest, size)
+        except RegistryUnreachable:
+            raise
+        except RegistryError as exc:
+            if exc.status is not None:
+                raise
+            raise StateRefused(f"{where}: blob {digest} is longer than its descriptor's {size} bytes; refused") from None
+        actual = "sha256:" + hashlib.sha256(blob).hexdigest()
+        if actual != digest or len(blob) != size:
+            raise StateRefused(f"{where}: blob {digest} does not match its content ({actual}, {len(blob)} bytes "
+                               f"of {size}); refused")
+        try:
+            data = json.loads(blob)
+        except ValueError:
+            raise StateRefused(f"{where}: its document is not JSON") from None
+        if not isinstance(data, dict):
+            raise StateRefused(f"{where}: its document is not a JSON object")
+        return data
 
     def write(self, tag: str, data: dict[str, Any], media_type: str) -> None:
         content = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
@@ -154,6 +202,26 @@ class StateStore:
         digest = self.registry.head_manifest(self.repository, tag)
         if digest:
             self.registry.delete_manifest(self.repository, digest)
+
+
+def _state_layer(raw: bytes, where: str, media_type: str | None) -> dict[str, Any]:
+    """The one layer descriptor of a state document's manifest, checked before its digest is used."""
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        raise StateRefused(f"{where}: the manifest is not JSON") from None
+    layers = manifest.get("layers") if isinstance(manifest, dict) else None
+    if not isinstance(layers, list) or len(layers) != 1 or not isinstance(layers[0], dict):
+        raise StateRefused(f"{where}: not a state document (one JSON layer expected)")
+    layer = layers[0]
+    digest, size = layer.get("digest"), layer.get("size")
+    if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
+        raise StateRefused(f"{where}: layer digest '{shown(digest)}' is not sha256:<64 hex>")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_RECORD_BYTES:
+        raise StateRefused(f"{where}: layer size {shown(size)} is not 0..{MAX_RECORD_BYTES}")
+    if media_type is not None and layer.get("mediaType") != media_type:
+        raise StateRefused(f"{where}: layer type '{shown(layer.get('mediaType'))}' is not {media_type}")
+    return layer
 
 
 def open_store(config: ReleaseConfig) -> StateStore:
@@ -198,29 +266,45 @@ class Lease:
         return {"rollout": self.rollout_id, "nonce": self.nonce, "host": socket.gethostname(), "pid": os.getpid(),
                 "user": who()["user"], "acquired_at": now_iso(now), "expires_at": now + self.ttl_s}
 
+    def _read(self, tag: str) -> dict[str, Any] | None:
+        return self.store.read(tag, LEASE_TYPE)
+
     def _blocking(self, held: dict[str, Any] | None, now: float) -> bool:
         if not held or held.get("nonce") == self.nonce:
             return False
-        if float(held.get("expires_at", 0)) <= now:
+        # A lease is untrusted input too: one that cannot be read holds the channel (say so, do not crash).
+        expires, pid, rollout = held.get("expires_at"), held.get("pid"), held.get("rollout")
+        if not isinstance(expires, (int, float)) or isinstance(expires, bool):
+            return True
+        if expires <= now:
             return False  # expired: its holder crashed or hung; recoverable by design
         # The same rollout, left behind by a process of ours that is gone (killed): take it over.
-        if (held.get("rollout") == self.rollout_id and held.get("host") == socket.gethostname()
-                and not _pid_alive(int(held.get("pid", 0)))):
+        if (rollout == self.rollout_id and held.get("host") == socket.gethostname()
+                and isinstance(pid, int) and pid > 0 and not _pid_alive(pid)):
             return False
+        if not isinstance(rollout, str) or not ROLLOUT_ID_PATTERN.fullmatch(rollout) or rollout == self.rollout_id:
+            return True
         # A rollout that finished (killed between recording its end and releasing the lease) holds nothing.
-        record = self.store.read(record_tag(str(held.get("rollout", ""))))
-        return not (record and record.get("status") in FINISHED and held.get("rollout") != self.rollout_id)
+        try:
+            record = self.store.read(record_tag(rollout), RECORD_TYPE)
+        except StateRefused:
+            return True
+        return not (record and record.get("status") in FINISHED)
 
     @staticmethod
     def describe(held: dict[str, Any], now: float) -> str:
-        left = float(held.get("expires_at", 0)) - now
-        return (f"rollout {held.get('rollout')} (user {held.get('user')} on {held.get('host')}, pid {held.get('pid')}) "
+        expires = held.get("expires_at")
+        if not isinstance(expires, (int, float)) or isinstance(expires, bool):
+            return f"an unreadable lease (expires_at {shown(expires)}) holds it; delete it if no rollout runs"
+        left = expires - now
+        names = {key: shown(held.get(key), 64) for key in ("rollout", "user", "host", "pid")}
+        return (f"rollout {names['rollout']} (user {names['user']} on {names['host']}, pid {names['pid']}) "
                 f"holds it for another {max(left, 0):.0f}s")
 
     def acquire(self) -> None:
         now = time.time()
         for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self.store.read(tag)
+            held = self._read(tag)
             if self._blocking(held, now):
                 assert held is not None
                 raise LeaseHeld(f"channel '{channel}' is being rolled out: {self.describe(held, now)}")
@@ -229,7 +313,7 @@ class Lease:
             self.store.write(tag, mine, LEASE_TYPE)
         time.sleep(self.settle_s)
         for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self.store.read(tag)
+            held = self._read(tag)
             if not held or held.get("nonce") != self.nonce:
                 self._release_mine()
                 other = self.describe(held, time.time()) if held else "its lease vanished"
@@ -240,7 +324,7 @@ class Lease:
         """Before every step: still ours? (else stop: another rollout overwrote it); rewritten when a third is used."""
         now = time.time()
         for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self.store.read(tag)
+            held = self._read(tag)
             if not held or held.get("nonce") != self.nonce:
                 other = self.describe(held, now) if held else "the lease is gone"
                 raise LeaseHeld(f"lost the lease of channel '{channel}': {other}")
@@ -253,20 +337,20 @@ class Lease:
 
     def _release_mine(self) -> None:
         for tag in self.tags:
-            held = self.store.read(tag)
+            held = self._read(tag)
             if held and held.get("nonce") == self.nonce:
                 self.store.delete(tag)
 
     def release(self) -> None:
         try:
             self._release_mine()
-        except RegistryError:
+        except (RegistryError, StateRefused):
             pass  # it expires on its own
 
 
 def lease_for(config: ReleaseConfig, store: StateStore, record: dict[str, Any]) -> Lease:
     settle = float(os.environ.get(SETTLE_ENV, "2.0"))
-    return Lease(store, tuple(record["channels"]), record["id"], config.lease_ttl_s, settle)
+    return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, settle)
 
 
 # --- the record ------------------------------------------------------------------------------
@@ -294,22 +378,30 @@ def new_record(config: ReleaseConfig, rollout_id: str, source: str, digest: str,
     }
 
 
-def steps_of(record: dict[str, Any]) -> tuple[Step, ...]:
-    return tuple(Step(s["index"], StepKind(s["kind"]), s["wave"], s.get("region"), s.get("tag"))
-                 for s in record["steps"])
-
-
 def previous_key(region: str, tag: str) -> str:
     return f"{region}/{tag}"
 
 
-def load_record(store: StateStore, rollout_id: str) -> dict[str, Any]:
-    record = store.read(record_tag(rollout_id))
+def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> dict[str, Any]:
+    """The record, checked against release.yaml's plan (rollout_plan.check_record): the state repository
+    is untrusted, so a record naming a tag, region or step of its own is refused before anything acts."""
+    if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id):
+        raise RolloutError(f"'{shown(rollout_id)}' is not a rollout ID", EXIT_BAD_INPUT)
+    where = f"{store.registry.registry}/{store.repository}:{record_tag(rollout_id)}"
+    try:
+        record = store.read(record_tag(rollout_id), RECORD_TYPE)
+    except StateRefused as exc:
+        raise StateRefused(f"rollout {rollout_id}: {exc}; nothing was changed") from None
     if record is None:
         raise RolloutError(f"no rollout {rollout_id} in {store.registry.registry}/{store.repository}",
                            EXIT_BAD_INPUT)
     if record.get("schema") != SCHEMA:
-        raise RolloutError(f"rollout {rollout_id}: record schema {record.get('schema')} is not {SCHEMA}")
+        raise RolloutError(f"rollout {rollout_id}: record schema {shown(record.get('schema'))} is not {SCHEMA}")
+    try:
+        check_record(config, record, rollout_id)
+    except RecordMismatch as exc:
+        raise StateRefused(f"rollout {rollout_id}: refusing its record {where}: it disagrees with "
+                           f"{config.path}: {exc}; nothing was changed") from None
     return record
 
 
@@ -378,11 +470,13 @@ class Reconciler:
         self.lease = lease
         self.out = out
         self.digest: str = self.record["digest"]
+        # Every step comes from release.yaml (load_record checked that the record's steps agree).
+        self.steps = plan_rollout(config, self.digest, self.record["channels"])
         source = ImageRef.parse(self.record["source"])
         self.source_registry = source.registry
         self.source_repository = source.repository
         self._registries: dict[str, Registry] = {}
-        self._verified_here: set[str] = set()
+        self._verifier: Verifier | None = None
         self.retry_base_s = float(os.environ.get(RETRY_BASE_ENV, "1.0"))
 
     def registry(self, region: Region) -> Registry:
@@ -393,20 +487,28 @@ class Reconciler:
     def close(self) -> None:
         for registry in self._registries.values():
             registry.close()
+        if self._verifier is not None:
+            self._verifier.close()
+
+    def verifier(self) -> Verifier:
+        if self._verifier is None:
+            self._verifier = Verifier(self.trust, cache_ttl_seconds=0)  # no cache: every check asks the registry
+        return self._verifier
 
     # --- shared -----------------------------------------------------------------------------
 
     def _abort_requested(self) -> dict[str, Any] | None:
-        return self.journal.store.read(record_tag(self.record["id"]) + ".abort")
+        return self.journal.store.read(record_tag(self.record["id"]) + ".abort", MARKER_TYPE)
 
     def _approvals(self, wave: str) -> tuple[str, ...]:
-        marker = self.journal.store.read(record_tag(self.record["id"]) + f".approve-{wave}")
+        marker = self.journal.store.read(record_tag(self.record["id"]) + f".approve-{wave}", MARKER_TYPE)
         if marker is None:
             return ()
         approvals = self.record["waves"][wave]["approvals"]
         if not approvals:
-            approvals.append({"by": marker.get("by"), "at": marker.get("at")})
-            self.journal.event("approved", wave=wave, by=marker.get("by"))
+            by, at = shown(marker.get("by"), 128), shown(marker.get("at"), 64)
+            approvals.append({"by": by, "at": at})
+            self.journal.event("approved", wave=wave, by=by)
         return (wave,)
 
     def _in_region(self, region: Region, action: Callable[[], Any]) -> Any:
@@ -443,7 +545,7 @@ class Reconciler:
     # --- the rollout ------------------------------------------------------------------------
 
     def run(self) -> int:
-        steps = steps_of(self.record)
+        steps = self.steps
         try:
             while self.record["next_step"] < len(steps):
                 step = steps[self.record["next_step"]]
@@ -461,6 +563,9 @@ class Reconciler:
                 self.record["next_step"] = step.index + 1
                 self.journal.save()
                 _kill_if(KILL_AFTER_STEP_ENV, step.index)
+        except StateRefused as refused:  # a lease, marker or quarantine mark that cannot be read
+            self.out(f"halted: {refused}")
+            return self._finish("halted", str(refused), EXIT_HALTED)
         except _Halt as halt:
             self.out(f"{halt.status}: {halt.reason}")
             return self._finish(halt.status, halt.reason, halt.exit_code)
@@ -487,8 +592,8 @@ class Reconciler:
         return result
 
     def _last_move_of_wave(self, step: Step) -> bool:
-        following = self.record["steps"][step.index + 1:step.index + 2]
-        return not following or following[0]["kind"] != StepKind.MOVE.value or following[0]["wave"] != step.wave
+        following = self.steps[step.index + 1:step.index + 2]
+        return not following or following[0].kind is not StepKind.MOVE or following[0].wave != step.wave
 
     def _copy(self, region: Region) -> dict[str, Any]:
         target = self.registry(region)
@@ -516,21 +621,30 @@ class Reconciler:
         return {"copied": True, "blobs_uploaded": copied.stats.blobs_uploaded,
                 "signature_tags": list(copied.stats.signature_tags)}
 
-    def _verify_in(self, region: Region) -> str:
-        image = region.image(self.digest)
+    def _verify_in(self, region: Region, digest: str | None = None, purpose: str = "") -> str:
+        """`digest` (the rollout's by default) verifies in the region's registry against the trust config
+        and is not quarantined; else the rollout halts. Every tag move asks this first."""
+        digest = digest or self.digest
+        image = region.image(digest)
 
         def check() -> Any:
-            with Verifier(self.trust, cache_ttl_seconds=0) as verifier:
-                verdict = verifier.verify(image)
+            verdict = self.verifier().verify(image)
             if verdict.unreachable:
                 raise _RegionDown(verdict.reason)
             return verdict
 
         verdict = self._in_region(region, check)
-        if not verdict.allowed or verdict.digest != self.digest:
-            raise _Halt(f"region {region.name}: {image} does not verify: {verdict.reason}")
-        self._verified_here.add(region.name)
+        if not verdict.allowed or verdict.digest != digest:
+            raise _Halt(f"region {region.name}: {purpose}{image} does not verify: {verdict.reason}")
+        self._refuse_quarantined(region, digest, purpose)
         return str(verdict.reason)
+
+    def _refuse_quarantined(self, region: Region, digest: str, purpose: str) -> None:
+        from .quarantine import describe, find
+
+        mark = find(self.journal.store, digest)
+        if mark is not None:
+            raise _Halt(f"region {region.name}: {purpose}{digest} is quarantined: {describe(mark)}")
 
     def _verify(self, region: Region) -> dict[str, Any]:
         reason = self._verify_in(region)
@@ -557,8 +671,8 @@ class Reconciler:
                 self.journal.event("move-tag", wave=wave, region=region.name, tag=tag,
                                    detail="found moved (a killed run moved it)", **{"from": previous, "to": self.digest})
             return {"moved": False, "detail": "already at the digest"}
-        if region.name not in self._verified_here:
-            self._verify_in(region)  # resumed: the region's copy is checked again before any tag points at it
+        # Checked again right before the tag points at it: signature, attestations, quarantine.
+        self._verify_in(region, purpose=f"will not move {tag}: ")
         raw, media_type, _ = self._in_region(region, lambda: target.get_manifest(region.repository, self.digest))
         self._in_region(region, lambda: target.put_manifest(region.repository, tag, raw, media_type))
         self.journal.event("move-tag", wave=wave, region=region.name, tag=tag, **{"from": current, "to": self.digest})
@@ -624,18 +738,17 @@ class Reconciler:
     # --- rollback ---------------------------------------------------------------------------
 
     def rollback(self) -> int:
+        # The plan comes from release.yaml's steps and the recorded previous digests (a stored rollback
+        # plan was checked to be this same plan by load_record).
+        steps = plan_rollback(self.steps, previous_pairs(self.record), self.digest)
         rollback = self.record.get("rollback")
         if rollback is None:
-            previous = {tuple(key.split("/", 1)): value for key, value in self.record["previous"].items()}
-            plan = plan_rollback(steps_of(self.record), previous, self.digest)  # type: ignore[arg-type]
-            rollback = {"steps": [dict(s.to_dict(), state="pending") for s in plan], "next_step": 0,
+            rollback = {"steps": [dict(s.to_dict(), state="pending") for s in steps], "next_step": 0,
                         "started_at": now_iso()}
             self.record["rollback"] = rollback
         self.record["status"] = "rolling-back"
         self.journal.event("rollback-start")
         self.journal.save()
-        steps = [RollbackStep(s["index"], s["wave"], s["region"], s["tag"], s["moved_to"], s["restore_to"])
-                 for s in rollback["steps"]]
         try:
             while rollback["next_step"] < len(steps):
                 step = steps[rollback["next_step"]]
@@ -646,6 +759,9 @@ class Reconciler:
                 entry.update(state="done", done_at=now_iso(), result=result)
                 rollback["next_step"] = step.index + 1
                 self.journal.save()
+        except StateRefused as refused:
+            self.out(f"rollback halted: {refused}")
+            return self._finish("halted", f"rollback: {refused}", EXIT_HALTED)
         except _Halt as halt:
             self.out(f"rollback halted: {halt.reason}")
             return self._finish("halted", f"rollback: {halt.reason}", halt.exit_code)
@@ -663,6 +779,8 @@ class Reconciler:
             return note
         if step.restore_to is not None:
             restore_to = step.restore_to
+            # The previous digest comes from the state repository: it is tagged only if it verifies here.
+            self._verify_in(region, restore_to, purpose=f"will not point {step.tag} back: ")
             raw, media_type, _ = self._in_region(region, lambda: target.get_manifest(region.repository, restore_to))
             self._in_region(region, lambda: target.put_manifest(region.repository, step.tag, raw, media_type))
             self.journal.event("restore-tag", wave=step.wave, region=step.region, tag=step.tag,
@@ -738,6 +856,7 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     if not ref.digest:
         raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
     steps = plan_rollout(config, ref.digest, channels)
+    channels = check_channels(config, channels)  # each once, as planned
     refuse_quarantined(config, ref.digest, image)
     trust = _trust(config)
     out(f"source {image}: {check_source(trust, image)}")
@@ -772,8 +891,31 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lea
 
 def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path) -> tuple[Journal, Lease]:
     store = open_store(config)
-    record = load_record(store, rollout_id)
+    record = load_record(store, rollout_id, config)
     return Journal(store, local_dir, record), lease_for(config, store, record)
+
+
+def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> dict[str, Any]:
+    """The record as it stands now that we hold the lease (checked again); the lease is let go on a refusal."""
+    try:
+        journal.record = load_record(journal.store, journal.record["id"], config)
+    except BaseException:
+        lease.release()
+        raise
+    return journal.record
+
+
+def check_resumable_source(trust: TrustConfig, record: dict[str, Any]) -> str:
+    """The record's source names its digest and verifies in staging now, as `start` demanded."""
+    try:
+        ref = parse_image(record["source"])
+    except ValueError as exc:
+        raise StateRefused(f"rollout {record['id']}: its source '{shown(record['source'])}' is not an image "
+                           f"reference: {exc}") from None
+    if ref.digest != record["digest"]:
+        raise StateRefused(f"rollout {record['id']}: its source '{shown(record['source'])}' does not name "
+                           f"its digest {record['digest']}")
+    return check_source(trust, record["source"])
 
 
 def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
@@ -786,8 +928,13 @@ def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output)
         raise RolloutError(f"rollout {rollout_id} is {record['status']}: only `rollback` applies to it now")
     refuse_quarantined(config, record["digest"], record["source"])
     trust = _trust(config)
+    check_resumable_source(trust, record)
+    verified = (record["digest"], record["source"])
     lease.acquire()
-    record = journal.record = load_record(journal.store, rollout_id)  # as it stands now we hold the lease
+    record = _reload(config, journal, lease)
+    if (record["digest"], record["source"]) != verified:  # the source checked above is the one resumed
+        lease.release()
+        raise StateRefused(f"rollout {rollout_id}: its record changed its image while we took the lease")
     record["status"] = "running"
     record["reason"] = None
     journal.event("resume", detail=f"from step {record['next_step']}")
@@ -802,7 +949,7 @@ def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Outpu
         return EXIT_DONE
     trust = _trust(config)
     lease.acquire()
-    journal.record = load_record(journal.store, rollout_id)
+    _reload(config, journal, lease)
     return _run(config, trust, journal, lease, out, lambda r: r.rollback())
 
 
@@ -818,7 +965,7 @@ def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) 
         return EXIT_DONE
     lease.acquire()  # halted: nobody runs it; mark it aborted ourselves
     try:
-        journal.record = load_record(journal.store, rollout_id)
+        journal.record = load_record(journal.store, rollout_id, config)
         journal.record["status"] = "aborted"
         journal.event("aborted", detail="aborted while halted")
         journal.save()
@@ -842,17 +989,25 @@ def approve(config: ReleaseConfig, rollout_id: str, wave: str, local_dir: Path, 
 def latest_rollout(config: ReleaseConfig, channels: Iterable[str]) -> str | None:
     store = open_store(config)
     found: list[tuple[str, str]] = []
-    for channel in channels:
-        pointer = store.read(state_tag("channel", channel))
-        if pointer and pointer.get("rollout"):
-            found.append((str(pointer.get("at", "")), str(pointer["rollout"])))
+    try:
+        for channel in channels:
+            pointer = store.read(state_tag("channel", channel), MARKER_TYPE)
+            if not pointer or not pointer.get("rollout"):
+                continue
+            rollout = pointer["rollout"]
+            if not isinstance(rollout, str) or not ROLLOUT_ID_PATTERN.fullmatch(rollout):
+                # It becomes a tag in a URL: only a rollout ID's grammar gets that far.
+                raise StateRefused(f"{state_tag('channel', channel)} names '{shown(rollout)}', not a rollout ID")
+            found.append((str(pointer.get("at", "")), rollout))
+    finally:
+        store.registry.close()
     return max(found)[1] if found else None
 
 
 def status(config: ReleaseConfig, rollout_id: str) -> dict[str, Any]:
     """The record plus, per region and tag, where the tag points now (read live from the region)."""
     store = open_store(config)
-    record = load_record(store, rollout_id)
+    record = load_record(store, rollout_id, config)
     wave_of = {region: wave.name for wave in config.waves for region in wave.regions}
     rows = []
     for region in config.regions:
@@ -874,7 +1029,10 @@ def status(config: ReleaseConfig, rollout_id: str) -> dict[str, Any]:
                              "wave_state": record["waves"].get(wave_of[region.name], {}).get("state")})
         finally:
             registry.close()
-    lease = store.read(state_tag("lease", sorted(record["channels"])[0]))
+    try:
+        lease = store.read(state_tag("lease", sorted(record["channels"])[0]), LEASE_TYPE)
+    except StateRefused:
+        lease = None  # shown as no lease; acting on the channel refuses it with the reason
     return {"id": record["id"], "status": record["status"], "reason": record.get("reason"),
             "digest": record["digest"], "source": record["source"], "channels": record["channels"],
             "next_step": record["next_step"], "steps": len(record["steps"]), "waves": record["waves"],

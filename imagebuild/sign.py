@@ -326,6 +326,35 @@ def attestation_types(client: Registry, image: str, digest: str) -> set[str]:
             for layer in manifest.get("layers") or [] if (layer.get("annotations") or {}).get("predicateType")}
 
 
+def attested_digests(client: Registry, image: str, digest: str, key: verify.Key | None) -> dict[str, str]:
+    """The canonical sha256 of each attestation now under the `.att` tag, by attestation name, as a
+    verifier will see it: cosign re-encodes some predicates (the vuln shape) on the way, so the
+    release record names what was attested, read back, not the file handed to cosign. With a key,
+    only envelopes it signed count; a type found twice (someone re-added an old layer) is an error."""
+    repository = ImageRef.parse(image).repository
+    manifest = _manifest(client, repository, signature_tag(digest, "att")) or {}
+    names = {kind.predicate_type: kind.name for kind in attest.KINDS if kind is not attest.RELEASE}
+    found: dict[str, set[str]] = {}
+    for descriptor in manifest.get("layers") or []:
+        if not isinstance(descriptor, dict) or descriptor.get("mediaType") != verify.DSSE_MEDIA_TYPE:
+            continue
+        try:
+            blob = client.get_blob_limited(repository, str(descriptor.get("digest")), verify.MAX_ATTESTATION_BLOB_BYTES)
+            verify.check_blob(descriptor, blob)
+            attestation = (verify.open_envelope(blob, [key], digest) if key is not None
+                           else verify.read_statement(blob, digest))
+        except (RegistryError, verify.Refused):
+            continue
+        name = names.get(attestation.predicate_type)
+        if name is not None:
+            found.setdefault(name, set()).add(attestation.content_sha256)
+    doubled = sorted(name for name, digests in found.items() if len(digests) > 1)
+    if doubled:
+        raise SignError(f"{tag_ref(image, digest, 'att')} holds more than one {', '.join(doubled)} attestation "
+                        "after cosign attest --replace")
+    return {name: next(iter(digests)) for name, digests in found.items()}
+
+
 def registry_for(image: str, options: SignOptions) -> Registry:
     registry = ImageRef.parse(image).registry
     return Registry(registry, insecure=True if registry in options.insecure_registries else None)
@@ -452,7 +481,8 @@ def release_record(report: BuildReport, variant: VariantRecord, predicates: dict
         statement = provenance.provenance_statement(report, variant, labels=labels, builder=builder)
         release = provenance.release_predicate(
             variant, provenance=statement["predicate"], smoke=predicates[attest.SMOKE.name],
-            vuln=predicates[attest.VULN.name], gate=predicates[attest.GATE.name], signature=layout)
+            vuln=predicates[attest.VULN.name], gate=predicates[attest.GATE.name], signature=layout,
+            sbom=predicates.get(attest.SBOM.name))
     except attest.PredicateError as exc:
         raise SignError(f"{variant.id}: {exc}") from None
     return {attest.PROVENANCE.name: statement["predicate"], attest.RELEASE.name: release}
@@ -668,6 +698,11 @@ class SignRun:
             if not signature_present(client, image, digest):
                 raise SignError(f"cosign sign exited 0, but {tag_ref(image, digest, 'sig')} holds no signature of {digest}")
         for kind in attest.KINDS:
+            if kind is attest.RELEASE:
+                # Last, naming what the others are in the registry now (verify decides by it).
+                vouched = attested_digests(client, image, digest, signer)
+                release = {**predicates[kind.name], "attestations": vouched}
+                _write_atomic(paths[kind.name], release)
             cosign(attest_argv(self.cosign.path, image, kind, paths[kind.name], self.options), f"attest-{kind.name}")
         missing = {k.predicate_type for k in attest.KINDS} - attestation_types(client, image, digest)
         if missing:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .oci import reference
 from .report import BuildReport, SmokeStage, VariantRecord, record_stage
 from .selection import Selection
 from .smoke import (
@@ -64,6 +65,10 @@ HARNESS_MOUNT = f"{MOUNT_ROOT}/pytest"
 EXPECT_MOUNT = f"{MOUNT_ROOT}/expect.json"
 OUT_MOUNT = f"{MOUNT_ROOT}/out"
 EXTRA_MOUNT = f"{MOUNT_ROOT}/extra"
+# A smoke container's whole environment besides the image's own: fixed, nothing from this
+# process (which may hold COSIGN_PASSWORD or registry credentials) and nothing from the matrix.
+CONTAINER_ENV = {"IMAGEBUILD_SMOKE_EXPECT": EXPECT_MOUNT, "IMAGEBUILD_SMOKE_HARNESS": HARNESS_MOUNT,
+                 "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp"}
 
 # pytest and what it needs, as (name, version, sha256 of the py3-none-any wheel). Installed for
 # Python 3.8 so that tomli and exceptiongroup (needed below 3.11) are always there; 8.3.x is the
@@ -239,12 +244,17 @@ class SmokeRunner:
         import docker.errors
 
         started = time.monotonic()
-        repository, sep, digest = ref.partition("@")
-        if sep:
+        try:
+            parts = reference.split(ref)  # the one grammar, before the engine is asked
+        except reference.ReferenceError as exc:
+            # A DockerException, as the engine's own refusal was: callers record "cannot get the image".
+            raise docker.errors.InvalidArgument(f"not an image reference: {exc}") from None
+        if parts.digest is not None:
             try:
                 return self.client.images.get(ref), 0.0
             except docker.errors.ImageNotFound:
-                self.client.images.pull(repository, tag=digest)
+                # The name as written (the engine applies Docker's defaults itself), without the tag.
+                self.client.images.pull(parts.name, tag=parts.digest)
         else:
             try:
                 self.client.images.pull(ref)
@@ -321,8 +331,7 @@ class SmokeRunner:
         container = self.client.containers.create(
             image_id, entrypoint=["python", "-B", f"{SUITE_MOUNT}/run.py"], command=args,
             working_dir=MOUNT_ROOT, mounts=mounts,
-            environment={"IMAGEBUILD_SMOKE_EXPECT": EXPECT_MOUNT, "IMAGEBUILD_SMOKE_HARNESS": HARNESS_MOUNT,
-                         "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp"},
+            environment=dict(CONTAINER_ENV),
             # An init as PID 1: the suite's Python as PID 1 ignores the signals it has no handler
             # for, so a library that abort()s could leave it hanging instead of dead.
             init=True, network_disabled=True, read_only=self.options.read_only,

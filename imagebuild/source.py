@@ -72,8 +72,14 @@ class InputError(Exception):
 # and zero-width no-break spaces (which make text read differently from what it says).
 _FORBIDDEN = re.compile("[^\t\n\r\x20-\x7e\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]"
                         "|[\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
-_UNSAFE_IN_MESSAGE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]"
-                                "|[\ud800-\udfff]")
+# What no line printed from untrusted data may hold raw (messages here, and cli.common.safe for
+# every line the CLI prints from registries, attestations, YAML and AdmissionReviews): C0 controls
+# (ESC, so no escape sequence can start; CR and backspace, which overwrite a line), DEL and C1 (CSI
+# is one), the Unicode line and paragraph separators, bidirectional embeddings, overrides, isolates
+# and marks, zero-width and invisible formatting characters, BOMs and lone surrogates.
+UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]"
+                         "|[\ud800-\udfff]")
+_UNSAFE_IN_MESSAGE = UNSAFE_TEXT
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _LINE_BREAK = re.compile("\r\n|\r|\n")
 _UTF8_BOM = "\ufeff"
@@ -88,6 +94,18 @@ def _escape(match: re.Match[str]) -> str:
     if char in _SHORT_ESCAPES:
         return _SHORT_ESCAPES[char]
     return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+
+def escape_text(text: str) -> str:
+    """`text` with every UNSAFE_TEXT character written as a visible escape (\\x1b, \\n, \\u202e)."""
+    return UNSAFE_TEXT.sub(_escape, text)
+
+
+def safe_text(text: str, limit: int = 200) -> str:
+    """Text from an untrusted source (a registry, an unverified document, a request) made safe for one
+    line of a terminal or a log: escaped (escape_text) and bounded to `limit` characters."""
+    escaped = escape_text(text)
+    return escaped if len(escaped) <= limit else escaped[:limit - 3] + "..."
 
 
 def _describe(char: str) -> str:
@@ -278,7 +296,7 @@ def _scalar(node: yaml.ScalarNode, path: PathKey, loader: _Loader) -> Any:
         value = loader.construct_object(node)
     except (ValueError, OverflowError) as exc:  # e.g. a date like 2024-13-45
         loader.refuse(node.start_mark, f"invalid {_short_tag(node.tag)[2:]} '{node.value}': {exc}", key)
-    except (KeyError, AttributeError, TypeError):  # an explicit !!bool or !!timestamp on other text
+    except (KeyError, AttributeError, TypeError, IndexError):  # !!bool, !!timestamp or !!int (`!!int ''`) on other text
         loader.refuse(node.start_mark, f"invalid {_short_tag(node.tag)[2:]} '{node.value}'", key)
     if isinstance(value, str):
         bad = _FORBIDDEN.search(value)

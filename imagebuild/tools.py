@@ -9,13 +9,14 @@ import codecs
 import contextlib
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,30 @@ def redact(text: str, secrets: Iterable[str]) -> str:
     for value in sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True):
         text = text.replace(value, REDACTED)
     return text
+
+
+# What a child that runs untrusted steps (`docker build` of a matrix's `run:` lines) inherits:
+# an allowlist, so the signing password, registry credentials and whatever else the CI job holds
+# (COSIGN_PASSWORD, HARBOR_PASSWORD, a region's USER:PASSWORD variable, ...) stay in this process.
+# The docker CLI needs only how to reach the engine and its own config.
+CHILD_ENV_KEEP = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "NO_COLOR", "TMPDIR",
+    "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "SOURCE_DATE_EPOCH", "SSL_CERT_FILE", "SSL_CERT_DIR",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "DOCKER_CERT_PATH", "DOCKER_TLS_VERIFY",
+    "DOCKER_API_VERSION", "DOCKER_BUILDKIT", "DOCKER_DEFAULT_PLATFORM", "BUILDKIT_PROGRESS", "BUILDKIT_COLORS",
+})
+CHILD_ENV_PREFIXES = ("LC_",)
+# Belt and braces: a kept name that looks like a credential is dropped all the same.
+_CREDENTIAL_NAME = re.compile(r"(?i)pass(word|wd)?|token|secret|credential|auth|api_?key|private")
+
+
+def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allowlisted part of `environ` (default: this process's), for a child that runs untrusted steps."""
+    source = os.environ if environ is None else environ
+    return {name: value for name, value in source.items()
+            if (name in CHILD_ENV_KEEP or name.startswith(CHILD_ENV_PREFIXES))
+            and not _CREDENTIAL_NAME.search(name)}
 
 
 def _candidates(name: str) -> list[str]:
@@ -94,7 +119,7 @@ def docker_cli() -> str:
     for cli in candidates:
         try:
             probe = subprocess.run([cli, "build", "--help"], capture_output=True, text=True, timeout=30,
-                                   env={**os.environ, "DOCKER_BUILDKIT": "1"})
+                                   env={**child_environment(), "DOCKER_BUILDKIT": "1"})
         except (OSError, subprocess.TimeoutExpired):
             continue
         if probe.returncode == 0 and "--secret" in probe.stdout:
@@ -206,16 +231,18 @@ class Runner:
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
             env: dict[str, str | None] | None = None, timeout: float | None = None, cwd: Path | None = None,
-            keep: Callable[[str], bool] | None = None) -> Result:
+            keep: Callable[[str], bool] | None = None, inherit: bool = True) -> Result:
         """Run `cmd`; its output, redacted, goes to `log` and the Result.
 
-        `env` adds to this process's environment; a None value removes that variable.
+        `env` adds to this process's environment; a None value removes that variable. With
+        `inherit=False` it adds to `child_environment()` instead: for children that run untrusted steps.
         `keep` drops lines from both (a tool whose debug output we need a few lines of, like
         Trivy's, would otherwise fill memory and disk with millions we do not).
         `timeout` (seconds): then the process group is stopped and the Result says timed_out (124).
         """
         secrets = list(secrets)
-        environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        base = os.environ if inherit else child_environment()
+        environment = {k: v for k, v in {**base, **(env or {})}.items() if v is not None}
         chunks: list[str] = []
         handle = log.open("w", encoding="utf-8") if log else None
 

@@ -9,6 +9,17 @@ release engineer's check cannot disagree about what "trusted" means.
 The file is untrusted input like a matrix: it goes through imagebuild.source, and any problem
 is an InputError naming its file, line and key. Public keys are parsed here, so a truncated or
 private key is refused before anything is verified with it.
+
+Optional `quarantine: {registry: HOST[:PORT], repository: PATH, cache_ttl_seconds: 10}` names the
+release's state repository (release.yaml `state:`), where `imagebuild rescan` and `imagebuild
+quarantine` leave their marks (tag `quarantine-sha256-<hex>`): the webhook refuses a digest marked
+there, and reads each digest's mark again once its cache_ttl_seconds (0-3600) have passed.
+Without it, quarantine is enforced by rollouts only.
+
+`signed_identity` (`name`, the default, or `repository`) is what a signature's
+`critical.identity.docker-reference` must share with the image it is found on: the image name
+(the last path component; any project or registry, so promotions keep verifying) or the whole
+repository path. Either way a signed image copied under another name is refused.
 """
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
+from .oci import reference
 from .source import Document, InputError, PathKey, Reader, known_list, load_document, suggest
 
 TRUST_SCHEMA = 1
@@ -76,6 +88,15 @@ class WebhookSettings:
 
 
 @dataclass(frozen=True)
+class QuarantineSource:
+    """The state repository holding quarantine marks, as the webhook reads them."""
+
+    registry: str
+    repository: str
+    cache_ttl_seconds: int = 10  # a new mark refuses a digest at admission within this long
+
+
+@dataclass(frozen=True)
 class TrustConfig:
     path: Path
     mode: Mode
@@ -85,6 +106,8 @@ class TrustConfig:
     failure_policy: FailurePolicy = FailurePolicy.FAIL
     cache_ttl_seconds: int = 60
     webhook: WebhookSettings = WebhookSettings()
+    quarantine: QuarantineSource | None = None
+    signed_identity: str = "name"  # one of SIGNED_IDENTITIES: what a signature's docker-reference must match
 
     def covers(self, repository: str) -> bool:
         """Whether `registry/repository` (no tag or digest) falls under one of the image globs."""
@@ -108,7 +131,12 @@ def glob_matches(pattern: str, repository: str) -> bool:
     return glob_to_regex(pattern).match(repository) is not None
 
 
-_TOP_KEYS = ("schema", "mode", "keys", "images", "require", "failure_policy", "cache_ttl_seconds", "webhook")
+_TOP_KEYS = ("schema", "mode", "keys", "images", "require", "failure_policy", "cache_ttl_seconds", "webhook",
+             "quarantine", "signed_identity")
+SIGNED_IDENTITIES = ("name", "repository")
+_QUARANTINE_KEYS = ("registry", "repository", "cache_ttl_seconds")
+_REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
+_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _KEY_KEYS = ("name", "path", "pem")
 _REQUIRE_KEYS = ("attestations", "smoke_passed", "gate_passed", "block_severity")
 _WEBHOOK_KEYS = ("namespace", "name", "image", "port")
@@ -132,8 +160,13 @@ def parse_trust_config(doc: Document, path: Path) -> TrustConfig:
     failure = _choice(r, data.get("failure_policy", "fail"), ("failure_policy",), FailurePolicy)
     ttl = r.integer(data.get("cache_ttl_seconds", 60), ("cache_ttl_seconds",), minimum=0, maximum=86400)
     webhook = _webhook(r, data.get("webhook") or {})
+    quarantine = _quarantine(r, data["quarantine"]) if data.get("quarantine") is not None else None
+    identity = r.string(data.get("signed_identity", "name"), ("signed_identity",))
+    if identity not in SIGNED_IDENTITIES:
+        raise r.error(("signed_identity",), f"'{identity}' is not one of {known_list(SIGNED_IDENTITIES)}")
     return TrustConfig(path=path, mode=mode, keys=keys, images=images, require=require,
-                       failure_policy=failure, cache_ttl_seconds=ttl, webhook=webhook)
+                       failure_policy=failure, cache_ttl_seconds=ttl, webhook=webhook, quarantine=quarantine,
+                       signed_identity=identity)
 
 
 def trust_config_for_keys(keys: Sequence[Path], images: Sequence[str] = ("**",)) -> TrustConfig:
@@ -225,8 +258,22 @@ def _images(r: Reader, value: Any) -> tuple[str, ...]:
             raise r.error(at, f"'{pattern}' is not a repository glob (registry/path, with * and ** only)")
         if "@" in pattern or re.search(r"/[^/]*:[^/]*$", pattern):
             raise r.error(at, "globs name repositories; leave out tags and digests")
-        patterns.append(pattern)
+        patterns.append(_normal_glob_host(r, at, pattern))
     return tuple(patterns)
+
+
+def _normal_glob_host(r: Reader, at: PathKey, pattern: str) -> str:
+    """The glob with its literal registry host in the normal form the webhook compares against
+    (lower case, no default :443, Docker Hub as docker.io): `Harbor.example.com:443/x/**` would
+    otherwise never match, and the generated policies would cover other spellings than verify."""
+    host, slash, rest = pattern.partition("/")
+    if not slash or "*" in host or "[" in host:
+        return pattern
+    try:
+        normal = reference.normalise_host(host)
+    except reference.ReferenceError as exc:
+        raise r.error(at, f"'{pattern}': {exc}") from None
+    return f"{reference.DOCKER_HUB_NAME if normal in reference.DOCKER_HUB_ALIASES else normal}/{rest}"
 
 
 def _requirements(r: Reader, value: Any) -> Requirements:
@@ -271,3 +318,15 @@ def _webhook(r: Reader, value: Any) -> WebhookSettings:
         raise r.error(("webhook", "image"), "an image reference has no spaces")
     port = r.integer(data.get("port", defaults.port), ("webhook", "port"), minimum=1, maximum=65535)
     return WebhookSettings(namespace=namespace, name=name, image=image, port=port)
+
+
+def _quarantine(r: Reader, value: Any) -> QuarantineSource:
+    data = r.mapping(value, ("quarantine",), allowed=_QUARANTINE_KEYS, required=("registry", "repository"))
+    registry = r.string(data["registry"], ("quarantine", "registry"))
+    if not _REGISTRY.fullmatch(registry):
+        raise r.error(("quarantine", "registry"), f"'{registry}' is not a registry host[:port]")
+    repository = r.string(data["repository"], ("quarantine", "repository"))
+    if not _REPOSITORY.fullmatch(repository) or len(repository) > 255:
+        raise r.error(("quarantine", "repository"), f"'{repository}' is not a repository name (lower-case path)")
+    ttl = r.integer(data.get("cache_ttl_seconds", 10), ("quarantine", "cache_ttl_seconds"), minimum=0, maximum=3600)
+    return QuarantineSource(registry=registry, repository=repository, cache_ttl_seconds=ttl)

@@ -45,10 +45,11 @@ from .attest import (
     PREDICATE_SMOKE,
     PREDICATE_VULN,
 )
+from .oci import reference
 from .oci_retry import QUICK_RETRIES
-from .provenance import provenance_problems, release_problems
-from .registry import DOCKER_HUB, ImageRef, Registry, RegistryError, RegistryUnreachable
-from .source import InputError
+from .provenance import canonical_sha256, provenance_problems, release_problems
+from .registry import ImageRef, Registry, RegistryError, RegistryUnreachable
+from .source import InputError, safe_text
 from .trust import PublicKey, Requirements, TrustConfig
 
 SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
@@ -62,11 +63,18 @@ ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PR
                      "provenance": PREDICATE_PROVENANCE, "release": PREDICATE_RELEASE}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 
-# What a registry may make us read: everything it serves is untrusted. SBOMs of the CUDA images
-# are the largest blobs (a few MB, a third more as base64 in the envelope).
-MAX_MANIFEST_BYTES = 4 << 20
-MAX_SIGNATURE_BLOB_BYTES = 1 << 20
-MAX_ATTESTATION_BLOB_BYTES = 64 << 20
+# What a registry may make us read: everything it serves is untrusted, and anyone who can push to a
+# covered repository can fill its `.sig`/`.att` tags (threat model: "the webhook's budget"). The
+# signature is read first and alone: an unsigned image costs two manifests and a few small
+# payloads, never an attestation blob. SBOMs of the CUDA images are the largest attestation blobs
+# (a few MB, a third more as base64 in the envelope).
+MAX_MANIFEST_BYTES = 4 << 20  # an image manifest or index
+MAX_SIGNATURE_MANIFEST_BYTES = 1 << 20  # a `.sig` or `.att` manifest: 256 layers of annotations fit
+MAX_SIGNATURE_BLOB_BYTES = 64 << 10  # a simplesigning payload is a few hundred bytes
+MAX_SIGNATURES_TRIED = 16  # signature payloads read before the image is refused
+MAX_ATTESTATION_BLOB_BYTES = 16 << 20
+MAX_ATTESTATION_BYTES = 64 << 20  # all attestation blobs of one verification together
+MAX_ATTESTATIONS_READ = 32
 MAX_LAYERS = 256
 READ_CONCURRENCY = 8  # reads in flight for one verification (and across a webhook's)
 
@@ -95,27 +103,24 @@ class ImageVerdict:
 
 # --- image references --------------------------------------------------------------------------
 
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
-_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REPOSITORY = re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
+_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")  # cosign's tag scheme (sha256-<hex>.sig) knows sha256 only
 
 
 def parse_image(text: str) -> ImageRef:
-    """A tag or digest reference, with Docker's defaults; ValueError saying what is wrong with it."""
-    if not text or len(text) > 1024 or text != text.strip():
-        raise ValueError("empty, over 1024 characters, or padded with spaces")
-    ref = ImageRef.parse(text)
-    if not _HOST.fullmatch(ref.registry):
-        raise ValueError(f"registry '{ref.registry}' is not a host[:port]")
-    if not _REPOSITORY.fullmatch(ref.repository) or len(ref.repository) > 255:
-        raise ValueError(f"repository '{ref.repository}' is not lowercase path components")
-    if ref.tag is not None and not _TAG.fullmatch(ref.tag):
-        raise ValueError(f"tag '{ref.tag}' is not a valid tag")
-    if ref.digest is not None and not _DIGEST.fullmatch(ref.digest):
-        raise ValueError(f"digest '{ref.digest}' is not sha256:<64 hex digits>")
-    return ref
+    """A tag or digest reference in normal form (imagebuild.oci.reference, the one grammar); ValueError
+    saying what is wrong with it."""
+    parsed = reference.parse(text)
+    if parsed.digest is not None and not _DIGEST.fullmatch(parsed.digest):
+        raise reference.DigestError(f"digest {reference.shown(parsed.digest)}: images are verified by sha256 "
+                                    "(cosign's signature tags name sha256 digests)")
+    return ImageRef(parsed.registry, parsed.repository, parsed.tag, parsed.digest)
+
+
+def covered_names(ref: ImageRef) -> list[str]:
+    """The names a trust file's globs may give the image: Docker Hub goes by docker.io in policies and
+    Pod specs, while ImageRef names its API host."""
+    name = f"{ref.registry}/{ref.repository}"
+    return [name, f"{reference.DOCKER_HUB_NAME}/{ref.repository}"] if ref.registry == reference.DOCKER_HUB else [name]
 
 
 def signature_tag(digest: str, suffix: str) -> str:
@@ -211,20 +216,56 @@ def check_blob(descriptor: Mapping[str, Any], blob: bytes) -> None:
         raise Refused(f"blob {actual} is {len(blob)} bytes, its descriptor says {descriptor['size']}")
 
 
-def check_simple_signing(payload: bytes, digest: str) -> None:
-    """cosign's claim check: the signed payload names this very manifest digest."""
+def check_simple_signing(payload: bytes, digest: str, repository: str | None = None,
+                         match: str = "name") -> str | None:
+    """cosign's claim check: the signed payload names this very manifest digest and, when `repository`
+    (its path, without the registry host) is given, an identity that matches it. Returns the signed
+    repository path.
+
+    One key signs every image, so without this a signed debugging image copied, signature and all,
+    under a production name would pass. The registry host is never compared (staging and the regions
+    hold copies that keep the staging signature). `match` is the trust file's `signed_identity`:
+    `name` (the default) wants the same image name, the last path component, so that a promotion
+    from one project to another (staging/paddle -> prod/paddle) keeps verifying; `repository` wants
+    the same whole path. Push and promote audit a copy with the same rule, so they never write an
+    image under a name where it would not verify."""
     try:
         document = json.loads(payload)
         critical = document["critical"]
         signed_digest = critical["image"]["docker-manifest-digest"]
         kind = critical["type"]
-    except (ValueError, KeyError, TypeError, RecursionError):
+        signed_reference = (critical.get("identity") or {}).get("docker-reference")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise Refused("signature payload is not a cosign simplesigning document") from None
     if kind != SIMPLESIGNING_TYPE:
-        raise Refused(f"signature payload has type '{kind}', not '{SIMPLESIGNING_TYPE}'")
+        raise Refused(f"signature payload has type '{safe_text(str(kind), 80)}', not '{SIMPLESIGNING_TYPE}'")
     if signed_digest != digest:
-        raise Refused(f"the signature is for {signed_digest}, not this image's digest {digest} "
+        raise Refused(f"the signature is for {safe_text(str(signed_digest), 80)}, not this image's digest {digest} "
                       "(copied from another image, or the tag moved)")
+    signed_path = signed_repository_path(signed_reference)
+    if repository is None:
+        return signed_path
+    if signed_path is None:
+        raise Refused("the signature names no repository (critical.identity.docker-reference)")
+    same = signed_path == repository
+    if match == "name":
+        same = same or signed_path.rsplit("/", 1)[-1] == repository.rsplit("/", 1)[-1]
+    if not same:
+        raise Refused(f"the signature is for repository {safe_text(signed_path, 120)}, not {repository} "
+                      "(a signed image copied under another name)")
+    return signed_path
+
+
+def signed_repository_path(reference: object) -> str | None:
+    """The repository path a simplesigning `docker-reference` names (registry host, tag and digest dropped)."""
+    if not isinstance(reference, str) or not reference or len(reference) > 1024:
+        return None
+    try:
+        return parse_image(reference).repository
+    except ValueError:
+        return None
+
+
 
 
 @dataclass(frozen=True)
@@ -232,10 +273,28 @@ class Attestation:
     predicate_type: str
     predicate: Any
     key: str  # the key the envelope verified with
+    # sha256 of the predicate's canonical JSON: what a release record names the attestations it vouches for by
+    content_sha256: str = dataclass_field(default="", compare=False)
 
 
 def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
     """A DSSE envelope signed by one of the keys, holding an in-toto statement about this digest."""
+    payload_type, payload, signatures = _envelope(blob)
+    message = pae(payload_type, payload)
+    key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
+    if key is None:
+        raise Refused("an attestation is not signed by any configured key" + _claimed_kind(payload))
+    return _statement(payload_type, payload, digest, key.name)
+
+
+def read_statement(blob: bytes, digest: str) -> Attestation:
+    """The statement of a DSSE envelope, its signature NOT checked: for `sign` reading back what it has
+    just attested with a key it cannot name (keyless). Never for a decision."""
+    payload_type, payload, _ = _envelope(blob)
+    return _statement(payload_type, payload, digest, "")
+
+
+def _envelope(blob: bytes) -> tuple[str, bytes, list[bytes]]:
     try:
         envelope = json.loads(blob)
         payload_type = envelope["payloadType"]
@@ -243,14 +302,15 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
         signatures = [decode_base64(entry["sig"]) for entry in envelope["signatures"]]
         if not isinstance(payload_type, str):
             raise TypeError
+        payload_type.encode("utf-8")  # a lone surrogate cannot be signed over: UnicodeEncodeError here
     except (ValueError, KeyError, TypeError, RecursionError):
         raise Refused("an attestation layer is not a DSSE envelope") from None
-    message = pae(payload_type, payload)
-    key = next((k for sig in signatures if (k := key_that_signed(keys, sig, message))), None)
-    if key is None:
-        raise Refused("an attestation is not signed by any configured key" + _claimed_kind(payload))
+    return payload_type, payload, signatures
+
+
+def _statement(payload_type: str, payload: bytes, digest: str, key_name: str) -> Attestation:
     if payload_type != IN_TOTO_PAYLOAD_TYPE:
-        raise Refused(f"an attestation has payloadType '{payload_type}', not in-toto")
+        raise Refused(f"an attestation has payloadType '{safe_text(payload_type, 80)}', not in-toto")
     try:
         statement = json.loads(payload)
         statement_type = statement["_type"]
@@ -262,12 +322,17 @@ def open_envelope(blob: bytes, keys: Iterable[Key], digest: str) -> Attestation:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise Refused("an attestation's payload is not an in-toto statement") from None
     if statement_type not in IN_TOTO_STATEMENTS:
-        raise Refused(f"an attestation's statement type '{statement_type}' is not in-toto's")
+        raise Refused(f"an attestation's statement type '{safe_text(str(statement_type), 80)}' is not in-toto's")
     algorithm, _, hex_digest = digest.partition(":")
     if not any(subject.get(algorithm) == hex_digest for subject in subjects):
         named = ", ".join(f"{a}:{h}" for s in subjects for a, h in s.items()) or "nothing"
-        raise Refused(f"the {kind_name(predicate_type)} attestation is about {named}, not {digest}", key.name)
-    return Attestation(predicate_type, predicate, key.name)
+        raise Refused(f"the {kind_name(predicate_type)} attestation is about {safe_text(named, 160)}, not {digest}",
+                      key_name or None)
+    try:
+        content = canonical_sha256(predicate)
+    except (ValueError, TypeError, RecursionError):
+        raise Refused("an attestation's predicate cannot be encoded canonically") from None
+    return Attestation(predicate_type, predicate, key_name, content)
 
 
 def _claimed_kind(payload: bytes) -> str:
@@ -280,7 +345,108 @@ def _claimed_kind(payload: bytes) -> str:
 
 
 def kind_name(predicate_type: str) -> str:
-    return next((name for name, uri in ATTESTATION_TYPES.items() if uri == predicate_type), predicate_type)
+    """The trust file's name of a predicate type; an unknown one escaped (it comes from the registry)."""
+    return next((name for name, uri in ATTESTATION_TYPES.items() if uri == predicate_type),
+                safe_text(predicate_type, 120))
+
+
+# --- which attestations count (pure) -------------------------------------------------------------
+
+
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2})")
+
+
+def signed_time(attestation: Attestation) -> dt.datetime | None:
+    """When the statement says it was made, from its signed predicate: a release record's `issued_at`,
+    the vuln shape's `metadata.scanFinishedOn`, a CycloneDX `metadata.timestamp`; None without one."""
+    predicate: dict[str, Any] = attestation.predicate if isinstance(attestation.predicate, dict) else {}
+    found = predicate.get("metadata")
+    metadata: dict[str, Any] = found if isinstance(found, dict) else {}
+    for value in (predicate.get("issued_at"), metadata.get("scanFinishedOn"), metadata.get("timestamp")):
+        if isinstance(value, str) and _RFC3339.fullmatch(value):
+            try:
+                return dt.datetime.fromisoformat(_trim_fraction(value))
+            except ValueError:
+                continue
+    return None
+
+
+def _trim_fraction(value: str) -> str:
+    """RFC 3339 (up to 9 fractional digits, Z or an offset) as Python 3.10's fromisoformat reads it."""
+    value = value.replace("Z", "+00:00")
+    head, zone = value[:-6], value[-6:]
+    seconds, _, fraction = head.partition(".")
+    return f"{seconds}.{(fraction + '000000')[:6]}{zone}"
+
+
+def choose_attestations(verified: Iterable[Attestation]) -> tuple[dict[str, Attestation], list[str]]:
+    """The attestations that count, by predicate type, decided by signed content and never by layer
+    order (the `.att` manifest is not signed: whoever can push can reorder, drop or re-add layers).
+
+    - Release records: the newest by its signed `issued_at` is the one; two different ones with the
+      same time (or without one) conflict, and the image is refused.
+    - The release record names the canonical sha256 of each attestation it vouches for; for those
+      types only the named one counts, and the others (superseded, or never vouched for) are ignored.
+    - Any other type: one distinct statement counts; several different ones conflict (refused).
+    Returns the chosen attestations and one line per attestation ignored."""
+    by_type: dict[str, dict[str, Attestation]] = {}
+    for attestation in verified:
+        by_type.setdefault(attestation.predicate_type, {})[attestation.content_sha256] = attestation
+    ignored: list[str] = []
+    chosen: dict[str, Attestation] = {}
+    releases = list(by_type.pop(PREDICATE_RELEASE, {}).values())
+    vouched: dict[str, str] = {}
+    if releases:
+        release = _newest_release(releases)
+        chosen[PREDICATE_RELEASE] = release
+        if len(releases) > 1:
+            ignored.append(f"{len(releases) - 1} older release record(s) ignored")
+        vouched = _vouched_for(release)
+    issued = signed_time(chosen[PREDICATE_RELEASE]) if releases else None
+    for predicate_type, candidates in by_type.items():
+        name = kind_name(predicate_type)
+        wanted = vouched.get(name)
+        if wanted is not None:
+            if wanted in candidates:
+                chosen[predicate_type] = candidates[wanted]
+            for digest, other in candidates.items():
+                if digest == wanted:
+                    continue
+                made = signed_time(other)
+                if issued is not None and made is not None and made > issued:
+                    # Newer than the record that should name it: the newer record was taken away.
+                    raise Refused(f"a {name} attestation made after the newest release record, which does not "
+                                  "vouch for it (a newer release record was removed?)")
+                ignored.append(f"a {name} attestation the release record does not vouch for (superseded)")
+            if wanted not in candidates:
+                ignored.append(f"the {name} attestation the release record vouches for is absent")
+            continue
+        if len(candidates) > 1:
+            raise Refused(f"{len(candidates)} different {name} attestations and no release record naming one "
+                          "(conflicting statements)")
+        chosen[predicate_type] = next(iter(candidates.values()))
+    return chosen, ignored
+
+
+def _newest_release(releases: list[Attestation]) -> Attestation:
+    if len(releases) == 1:
+        return releases[0]
+    times = [(signed_time(release), release) for release in releases]
+    if any(issued is None for issued, _ in times):
+        raise Refused(f"{len(releases)} different release records, not all with a signed issued_at (conflicting)")
+    times.sort(key=lambda pair: pair[0] or dt.datetime.min.replace(tzinfo=dt.timezone.utc))
+    if times[-1][0] == times[-2][0]:
+        raise Refused(f"{len(releases)} different release records issued at the same time (conflicting)")
+    return times[-1][1]
+
+
+def _vouched_for(release: Attestation) -> dict[str, str]:
+    """What a release record vouches for: attestation name -> canonical sha256 ({} for an older record)."""
+    named = _predicate_field(release, "attestations")
+    if not isinstance(named, dict):
+        return {}
+    return {str(name): digest for name, digest in named.items()
+            if isinstance(digest, str) and re.fullmatch(r"sha256:[a-f0-9]{64}", digest)}
 
 
 # --- the policy over the attestations (pure) ---------------------------------------------------
@@ -425,10 +591,10 @@ _Checked = TypeVar("_Checked", "Key", "Attestation")
 
 
 class _Reads:
-    """One verification's registry reads. The signature and attestation manifests, then every blob
-    they name, are fetched concurrently up front: two round trips instead of one per blob (a
-    release image carries six attestations). The checks then run in order over what was read; a
-    failed read is kept and raised where the check reaches it, as if it had been read then."""
+    """One verification's registry reads, concurrent where the order allows: the `.sig` and `.att`
+    manifests together, then the signature payloads, and only once a signature verified, the
+    attestation blobs together (three round trips, not one per blob; a release image carries six
+    attestations). A failed read is kept and raised where the check reaches it."""
 
     def __init__(self, registry: Registry, repository: str, pool: ThreadPoolExecutor,
                  known_blobs: Mapping[str, bytes] | None = None):
@@ -437,36 +603,21 @@ class _Reads:
         self._manifests: dict[str, _Fetched] = {}
         self._blobs: dict[str, bytes | RegistryError] = {}
 
-    def prefetch(self, tags_and_limits: Mapping[str, int]) -> None:
-        """Read the manifests of `tags` and the blobs of their signature or DSSE layers (within each tag's limit)."""
-        tags = list(tags_and_limits)
+    def prefetch_manifests(self, tags: Iterable[str]) -> None:
+        """Read these manifests concurrently (one round trip)."""
+        tags = [tag for tag in tags if tag not in self._manifests]
         for tag, found in zip(tags, self.pool.map(self._fetch_manifest, tags)):
             self._manifests[tag] = found
-        wanted = {digest: limit for tag, limit in tags_and_limits.items() for digest in self._blob_candidates(tag, limit)}
-        for digest, blob in zip(wanted, self.pool.map(lambda d: self._fetch_blob(d, wanted[d]), wanted)):
-            self._blobs[digest] = blob
 
-    def _blob_candidates(self, tag: str, limit: int) -> list[str]:
-        """The blobs of the tag's signature or DSSE layers within `limit`: what the checks will read.
-        Lenient: a manifest the checks will refuse gives none, and the checks say why."""
-        found = self._manifests.get(tag)
-        if not isinstance(found, tuple) or len(found[0]) > MAX_MANIFEST_BYTES:
-            return []
-        try:
-            layers = json.loads(found[0]).get("layers") or []
-        except (ValueError, AttributeError, RecursionError):
-            return []
-        if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
-            return []
-        return [layer["digest"] for layer in layers
-                if isinstance(layer, dict) and isinstance(layer.get("digest"), str) and _DIGEST.fullmatch(layer["digest"])
-                and isinstance(layer.get("size"), int) and layer["size"] <= limit
-                and (layer.get("mediaType") == DSSE_MEDIA_TYPE
-                     or SIGNATURE_ANNOTATION in (layer.get("annotations") or {}))]
+    def prefetch_blobs(self, digests: Iterable[str], limit: int) -> None:
+        """Read these blobs concurrently, each within `limit` (the caller bounds their number)."""
+        wanted = [digest for digest in dict.fromkeys(digests) if digest not in self._blobs]
+        for digest, blob in zip(wanted, self.pool.map(lambda d: self._fetch_blob(d, limit), wanted)):
+            self._blobs[digest] = blob
 
     def _fetch_manifest(self, tag: str) -> _Fetched:
         try:
-            return self.registry.find_manifest(self.repository, tag)
+            return self.registry.find_manifest(self.repository, tag, max_bytes=MAX_SIGNATURE_MANIFEST_BYTES)
         except RegistryError as exc:
             return exc
 
@@ -566,9 +717,7 @@ class Verifier:
         except ValueError as exc:
             return ImageVerdict(image, None, False, f"not an image reference: {exc}")
         repository = f"{ref.registry}/{ref.repository}"
-        # Docker Hub goes by docker.io in policies and Pod specs; ImageRef names its API host.
-        names = [repository, f"docker.io/{ref.repository}"] if ref.registry == DOCKER_HUB else [repository]
-        if not any(self.config.covers(name) for name in names):
+        if not any(self.config.covers(name) for name in covered_names(ref)):
             return ImageVerdict(image, ref.digest, False,
                                 f"not covered by the policy: {repository} matches none of its images "
                                 f"({', '.join(self.config.images)})")
@@ -607,7 +756,7 @@ class Verifier:
         except ValueError as exc:
             return Inspection(image, None, None, f"not an image reference: {exc}", {})
         repository = f"{ref.registry}/{ref.repository}"
-        if not self.config.covers(repository):
+        if not any(self.config.covers(name) for name in covered_names(ref)):
             return Inspection(image, ref.digest, None, f"not covered by the policy: {repository} matches none "
                                                        f"of its images ({', '.join(self.config.images)})", {})
         registry = self._registry(ref.registry)
@@ -617,7 +766,7 @@ class Verifier:
             if not digest or not _DIGEST.fullmatch(digest):
                 return Inspection(image, None, None, f"tag {ref.reference} not found in {repository}", {})
             reads = self._reads(registry, ref.repository)
-            reads.prefetch(self._prefetched(digest, attestations=True))
+            reads.prefetch_manifests(self._signature_tags(digest, attestations=True))
             key = self._check_signature(reads, digest, {})
             attestations, rejected = self._attestations(reads, digest, {})
             return Inspection(image, digest, key.name, None, attestations, tuple(dict.fromkeys(rejected)))
@@ -674,11 +823,8 @@ class Verifier:
                     self._cache[cache_key] = (now + self.ttl, verdict)
 
     @staticmethod
-    def _prefetched(digest: str, attestations: bool) -> dict[str, int]:
-        tags = {signature_tag(digest, ".sig"): MAX_SIGNATURE_BLOB_BYTES}
-        if attestations:
-            tags[signature_tag(digest, ".att")] = MAX_ATTESTATION_BLOB_BYTES
-        return tags
+    def _signature_tags(digest: str, attestations: bool) -> list[str]:
+        return [signature_tag(digest, ".sig"), *([signature_tag(digest, ".att")] if attestations else [])]
 
     def _verify_digest(self, registry: Registry, repository: str, digest: str,
                        evidence: Evidence | None = None, known_blobs: Mapping[str, bytes] | None = None) -> ImageVerdict:
@@ -690,7 +836,7 @@ class Verifier:
         reads = self._reads(registry, repository, known_blobs)
         checked: dict[str, bytes] = {}
         try:
-            reads.prefetch(self._prefetched(digest, read_attestations))
+            reads.prefetch_manifests(self._signature_tags(digest, read_attestations))
             key = self._check_signature(reads, digest, checked)
             summary = f"signed by {key.name}"
             if read_attestations:
@@ -722,8 +868,8 @@ class Verifier:
         if found is None:
             return None
         raw = found[0]
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise Refused(f"{tag}: manifest over {MAX_MANIFEST_BYTES} bytes")
+        if len(raw) > MAX_SIGNATURE_MANIFEST_BYTES:
+            raise Refused(f"{tag}: manifest over {MAX_SIGNATURE_MANIFEST_BYTES} bytes")
         try:
             layers = json.loads(raw).get("layers") or []
             if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
@@ -735,23 +881,31 @@ class Verifier:
         return layers
 
     @staticmethod
-    def _blob(reads: _Reads, descriptor: Mapping[str, Any], limit: int, checked: dict[str, bytes]) -> bytes:
-        digest, size = descriptor.get("digest"), descriptor.get("size")
+    def _descriptor(layer: Mapping[str, Any], limit: int) -> tuple[str, int]:
+        """The layer's (digest, size), checked before anything is read: a sha256 digest (it goes into a
+        URL) and a declared size within `limit` (the read stops there whatever the registry sends)."""
+        digest, size = layer.get("digest"), layer.get("size")
         if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-            raise Refused(f"a layer descriptor names '{str(digest)[:80]}', not a sha256 digest")
-        if isinstance(size, int) and size > limit:
+            raise Refused(f"a layer descriptor names '{safe_text(str(digest), 80)}', not a sha256 digest")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise Refused(f"blob {digest} has no size in its descriptor")
+        if size > limit:
             raise Refused(f"blob {digest} is {size} bytes, over {limit}")
+        return digest, size
+
+    def _blob(self, reads: _Reads, descriptor: Mapping[str, Any], limit: int, checked: dict[str, bytes]) -> bytes:
+        digest, _ = self._descriptor(descriptor, limit)
         blob = reads.blob(digest, limit)
         check_blob(descriptor, blob)
         checked[digest] = blob
         return blob
 
-    def _signature_key(self, annotation: object, payload: bytes, digest: str) -> Key:
+    def _signature_key(self, annotation: object, payload: bytes, digest: str, repository: str) -> Key:
         key = key_that_signed(self.keys, decode_base64(annotation), payload)
         if key is None:
             raise Refused("the signature does not verify with any configured key "
                           f"({', '.join(k.name for k in self.keys)})")
-        check_simple_signing(payload, digest)
+        check_simple_signing(payload, digest, repository, self.config.signed_identity)
         return key
 
     def _once(self, identity: tuple[str, ...], check: Callable[[], _Checked], kind: type[_Checked]) -> _Checked:
@@ -773,24 +927,40 @@ class Verifier:
         return done
 
     def _check_signature(self, reads: _Reads, digest: str, checked: dict[str, bytes]) -> Key:
+        """The key of the first signature layer that verifies. At most MAX_SIGNATURES_TRIED payloads
+        are read, each within MAX_SIGNATURE_BLOB_BYTES: a `.sig` tag stuffed with junk layers costs
+        kilobytes."""
         registry, repository = reads.registry, reads.repository
         tag = signature_tag(digest, ".sig")
         layers = self._layers(reads, tag)
         if layers is None:
             raise Refused(f"not signed: no signature {registry.registry}/{repository}:{tag}")
+        signed = [layer for layer in layers if (layer.get("annotations") or {}).get(SIGNATURE_ANNOTATION)]
+        if not signed:
+            raise Refused(f"not signed: {registry.registry}/{repository}:{tag} holds no signature")
+        tried, skipped = signed[:MAX_SIGNATURES_TRIED], len(signed) - MAX_SIGNATURES_TRIED
         failures: list[str] = []
-        for layer in layers:
-            annotation = (layer.get("annotations") or {}).get(SIGNATURE_ANNOTATION)
-            if not annotation:
-                continue
+        readable = []
+        for layer in tried:
+            try:
+                readable.append((layer, self._descriptor(layer, MAX_SIGNATURE_BLOB_BYTES)[0]))
+            except Refused as refused:
+                failures.append(refused.reason)
+        reads.prefetch_blobs([blob for _, blob in readable], MAX_SIGNATURE_BLOB_BYTES)
+        for layer, blob_digest in readable:
+            annotation = str(layer["annotations"][SIGNATURE_ANNOTATION])
             try:
                 payload = self._blob(reads, layer, MAX_SIGNATURE_BLOB_BYTES, checked)
-                return self._once(("sig", str(layer["digest"]), str(annotation), digest),
-                                  partial(self._signature_key, annotation, payload, digest), Key)
+                return self._once(("sig", blob_digest, annotation, digest, repository),
+                                  partial(self._signature_key, annotation, payload, digest, repository), Key)
             except (Refused, ValueError) as exc:
                 failures.append(exc.reason if isinstance(exc, Refused) else f"signature annotation: {exc}")
-        if not failures:
-            raise Refused(f"not signed: {registry.registry}/{repository}:{tag} holds no signature")
+            except RegistryUnreachable:
+                raise
+            except RegistryError as exc:  # this payload could not be read (too large, refused): try the next
+                failures.append(f"signature payload: {safe_text(str(exc))}")
+        if skipped > 0:
+            failures.append(f"{skipped} more signature layers not read (at most {MAX_SIGNATURES_TRIED} are)")
         # A signature made by our key for another digest says more than one from a stranger's key.
         failures.sort(key=lambda reason: "not this image's digest" not in reason)
         more = f" (and {len(failures) - 1} other signatures refused)" if len(failures) > 1 else ""
@@ -798,21 +968,33 @@ class Verifier:
 
     def _attestations(self, reads: _Reads, digest: str,
                       checked: dict[str, bytes]) -> tuple[dict[str, Attestation], list[str]]:
-        """The verified attestations by predicate type (a later layer, attested later, replaces an
-        earlier one of its type), and why the others were rejected."""
-        layers = self._layers(reads, signature_tag(digest, ".att")) or []
-        found: dict[str, Attestation] = {}
+        """The attestations that count, by predicate type (choose_attestations: by signed content, not
+        by layer order), and why the others were rejected or ignored. Read only after the signature
+        verified, at most MAX_ATTESTATIONS_READ blobs and MAX_ATTESTATION_BYTES in all."""
+        layers = [layer for layer in self._layers(reads, signature_tag(digest, ".att")) or []
+                  if layer.get("mediaType") == DSSE_MEDIA_TYPE]
+        if len(layers) > MAX_ATTESTATIONS_READ:
+            raise Refused(f"{len(layers)} attestations, over the {MAX_ATTESTATIONS_READ} read for one image")
         rejected: list[str] = []
+        readable = []
         for layer in layers:
-            if layer.get("mediaType") != DSSE_MEDIA_TYPE:
-                continue
             try:
-                blob = self._blob(reads, layer, MAX_ATTESTATION_BLOB_BYTES, checked)
-                attestation = self._once(("att", str(layer["digest"]), digest),
-                                         partial(open_envelope, blob, self.keys, digest), Attestation)
+                readable.append((layer, *self._descriptor(layer, MAX_ATTESTATION_BLOB_BYTES)))
             except Refused as refused:
                 rejected.append(refused.reason)
-                continue
-            found.pop(attestation.predicate_type, None)
-            found[attestation.predicate_type] = attestation
-        return found, rejected
+        total = sum(size for _, _, size in readable)
+        if total > MAX_ATTESTATION_BYTES:
+            raise Refused(f"the attestations add up to {total} bytes, over {MAX_ATTESTATION_BYTES}")
+        reads.prefetch_blobs([blob for _, blob, _ in readable], MAX_ATTESTATION_BLOB_BYTES)
+        verified: list[Attestation] = []
+        for layer, blob_digest, _ in readable:
+            try:
+                blob = self._blob(reads, layer, MAX_ATTESTATION_BLOB_BYTES, checked)
+                verified.append(self._once(("att", blob_digest, digest),
+                                           partial(open_envelope, blob, self.keys, digest), Attestation))
+            except Refused as refused:
+                rejected.append(refused.reason)
+            # A RegistryError (a blob the manifest names is missing or too large) refuses the image:
+            # the registry does not hold what it says it holds.
+        chosen, ignored = choose_attestations(verified)
+        return chosen, rejected + ignored

@@ -5,6 +5,7 @@ answer. The real Verifier behind the real server is tested in tests/e2e/test_adm
 """
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from dataclasses import dataclass
@@ -374,3 +375,150 @@ def test_an_error_while_verifying_is_refused_even_under_failure_policy_ignore():
     finally:
         parallel.close()
     assert response["allowed"] is False
+
+
+# --- image volumes ---------------------------------------------------------------------------------------------
+
+
+def with_volumes(document: dict, *volumes: dict) -> dict:
+    document["request"]["object"]["spec"]["volumes"] = list(volumes)
+    return document
+
+
+def image_volume(name: str, reference) -> dict:
+    return {"name": name, "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
+
+
+def test_an_image_volume_is_an_image_like_a_container_and_other_volumes_are_not():
+    document = with_volumes(pod_review(("app", GOOD)), {"name": "scratch", "emptyDir": {}}, image_volume("data", BAD))
+    request = parse_review(body(document))
+    assert [(c.field, c.name, c.image, c.pointer) for c in request.images] == [
+        ("container", "app", GOOD, "/spec/containers/0/image"),
+        ("volume", "data", BAD, "/spec/volumes/1/image/reference")]
+
+
+def test_a_signed_container_with_an_unsigned_image_volume_is_denied_naming_the_volume():
+    document = with_volumes(pod_review(("app", GOOD)), image_volume("data", BAD))
+    message = answer(document, table(**{BAD: refused(BAD)})).body["response"]["status"]["message"]
+    assert message == (f'imagebuild refused 1 of 2 images: volume "data" image {BAD}: '
+                       "not signed by any configured key")
+
+
+def test_a_workload_template_s_image_volumes_are_checked():
+    spec = {**pod_spec(("app", GOOD)), "volumes": [image_volume("model", BAD)]}
+    obj = {"metadata": {"name": "w"}, "spec": {"template": {"spec": spec}}}
+    request = parse_review(body(review_of("Deployment", obj, group="apps")))
+    assert [(c.field, c.pointer) for c in request.images] == [
+        ("container", "/spec/template/spec/containers/0/image"), ("volume", "/spec/template/spec/volumes/0/image/reference")]
+
+
+@pytest.mark.parametrize("volume,expected", [
+    ({"name": "data", "image": "x/y:1"}, "request.object.spec.volumes[0].image: not an object"),
+    ({"name": "data", "image": {}}, 'request.object.spec.volumes[0].image.reference: volume "data" has no image reference'),
+    ({"name": "data", "image": {"reference": "x/y:1\n"}},
+     r"request.object.spec.volumes[0].image.reference: 'x/y:1\n' is not an image reference"),
+    ("data", "request.object.spec.volumes[0]: not an object"),
+])
+def test_a_malformed_image_volume_is_denied_with_a_clear_message(volume, expected):
+    message = answer(with_volumes(pod_review(("app", GOOD)), volume)).body["response"]["status"]["message"]
+    assert message == f"imagebuild: malformed AdmissionReview: {expected}"
+
+
+def test_image_volumes_count_towards_the_image_limit():
+    document = with_volumes(pod_review(("app", GOOD)), *[image_volume(f"v{i}", GOOD) for i in range(3)])
+    outcome = admission.review(body(document), table(), ENFORCE, Limits(max_images=3))
+    assert outcome.body["response"]["status"]["message"].endswith("more than 3 images in one object")
+
+
+# --- pinning (the mutating webhook) ----------------------------------------------------------------------------
+
+DIGEST = "sha256:" + "b" * 64
+TAGGED = "127.0.0.1:5000/imagebuild/app:3.3"
+
+
+def digests(**special: FakeVerdict):
+    """Like table(), but every allowed image was verified at DIGEST."""
+    def verify(images):
+        return {image: special.get(image) or FakeVerdict(image, True, "signed by test-key", DIGEST)
+                for image in images}
+    return verify
+
+
+def apply_patch(obj: dict, patch: list[dict]) -> dict:
+    """RFC 6902 `replace`, the only operation the webhook sends: the path must exist."""
+    result = copy.deepcopy(obj)
+    for op in patch:
+        assert op["op"] == "replace", op
+        *parents, last = [t.replace("~1", "/").replace("~0", "~") for t in op["path"].split("/")[1:]]
+        target = result
+        for token in parents:
+            target = target[int(token)] if isinstance(target, list) else target[token]
+        key = int(last) if isinstance(target, list) else last
+        target[key]  # noqa: B018 -- replace needs the member to exist
+        target[key] = op["value"]
+    return result
+
+
+def patched(document: dict, verify=None, policy=ENFORCE) -> tuple[dict, dict]:
+    response = admission.review(body(document), verify or digests(), policy, pin=True).body["response"]
+    if "patch" not in response:
+        return response, document["request"]["object"]
+    assert response["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(response["patch"]))
+    return response, apply_patch(document["request"]["object"], patch)
+
+
+def test_mutate_pins_every_admitted_tag_to_its_verified_digest_keeping_the_tag():
+    bare = "127.0.0.1:5000/imagebuild/tools"
+    document = with_volumes(pod_review(("app", TAGGED), init=[("setup", bare)]), image_volume("model", TAGGED))
+    response, obj = patched(document)
+    assert response["allowed"] is True
+    assert obj["spec"]["containers"][0]["image"] == f"{TAGGED}@{DIGEST}"
+    assert obj["spec"]["initContainers"][0]["image"] == f"{bare}@{DIGEST}"
+    assert obj["spec"]["volumes"][0]["image"]["reference"] == f"{TAGGED}@{DIGEST}"
+
+
+def test_mutate_leaves_an_image_already_pinned_to_its_verified_digest_and_validate_never_patches():
+    pinned_ref = f"{TAGGED}@{DIGEST}"
+    response, obj = patched(pod_review(("app", pinned_ref)))
+    assert response["allowed"] is True and "patch" not in response
+    validated = admission.review(body(pod_review(("app", TAGGED))), digests(), ENFORCE).body["response"]
+    assert validated["allowed"] is True and "patch" not in validated and "patchType" not in validated
+
+
+def test_mutate_in_enforce_mode_refuses_an_admitted_image_it_cannot_pin():
+    verify = digests(**{TAGGED: FakeVerdict(TAGGED, True, "signed by test-key", None)})
+    response, _ = patched(pod_review(("app", TAGGED)), verify)
+    assert response["allowed"] is False
+    assert response["status"]["message"].startswith(
+        f'imagebuild refused 1 of 1 image: container "app" image {TAGGED}: cannot be pinned')
+
+
+def test_mutate_never_rewrites_a_digest_reference_to_another_digest():
+    other = f"{TAGGED}@sha256:{'c' * 64}"
+    response, _ = patched(pod_review(("app", other)))  # the verifier (wrongly) names DIGEST for it
+    assert response["allowed"] is False and "cannot be pinned" in response["status"]["message"]
+
+
+def test_mutate_in_warn_mode_pins_what_verified_and_leaves_the_refused_image_as_written():
+    verify = digests(**{BAD: refused(BAD)})
+    response, obj = patched(pod_review(("app", TAGGED), ("sidecar", BAD)), verify, Policy(enforce=False))
+    assert response["allowed"] is True and len(response["warnings"]) == 1
+    assert [c["image"] for c in obj["spec"]["containers"]] == [f"{TAGGED}@{DIGEST}", BAD]
+
+
+def test_mutate_on_update_pins_only_the_references_the_update_changed():
+    """Re-pinning an unchanged reference would restart a running Pod's container (or roll out a template)."""
+    changed = "127.0.0.1:5000/imagebuild/new:1"
+    document = pod_review(("app", TAGGED), ("sidecar", changed), operation="UPDATE")
+    document["request"]["oldObject"] = {"spec": {"containers": [{"name": "app", "image": TAGGED},
+                                                                {"name": "sidecar", "image": "x/old:1"}]}}
+    response, obj = patched(document)
+    assert response["allowed"] is True
+    assert [c["image"] for c in obj["spec"]["containers"]] == [TAGGED, f"{changed}@{DIGEST}"]
+
+
+def test_the_mutate_decision_log_names_what_was_pinned():
+    outcome = admission.review(body(pod_review(("app", TAGGED))), digests(), ENFORCE, pin=True)
+    assert outcome.log["pinned"] == [f"{TAGGED}@{DIGEST}"]
+    assert outcome.log["images"][0]["digest"] == DIGEST

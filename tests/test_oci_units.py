@@ -14,22 +14,25 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
+from imagebuild.oci.names import BadName, check_descriptor, check_digest, check_reference, check_tag, is_loopback
 from imagebuild.oci_auth import (
     Challenge,
     CredentialError,
     Credentials,
     DockerConfig,
+    RealmRefused,
     RegistryAuth,
     credentials_for,
     docker_config_path,
     merge_scopes,
     parse_challenge,
     scopes_for,
+    token_realms_from_env,
 )
 from imagebuild.oci_copy import cosign_tag
 from imagebuild.oci_locations import BlobLocations, default_cache_dir
 from imagebuild.oci_retry import RetryPolicy, parse_retry_after
-from imagebuild.registry import base_url
+from imagebuild.registry import Registry, RegistryError, base_url
 
 ROBOT = "robot$imagebuild+ci"
 
@@ -198,7 +201,7 @@ def _respond(request: httpx.Request, status: int, headers: dict | None = None, b
 
 def test_tokens_are_cached_per_scope_until_shortly_before_they_expire():
     now = [1000.0]
-    auth = RegistryAuth("r.example.com", Credentials("u", "p"), clock=lambda: now[0])
+    auth = RegistryAuth("r.example.com", Credentials("u", "p"), clock=lambda: now[0], token_realms=("auth",))
     challenge = 'Bearer realm="https://auth/token",service="svc",scope="repository:a:pull"'
 
     def send(path: str, token_answers: list[str]) -> str:
@@ -222,6 +225,155 @@ def test_tokens_are_cached_per_scope_until_shortly_before_they_expire():
     now[0] += 56  # within the last 5 seconds of t1's 60
     assert send("/v2/a/manifests/v1", ["t3"]) == "Bearer t3"
     assert auth.token_requests == 3
+
+
+# --- credentials stay where they belong -----------------------------------------------------
+
+def _drive(auth: RegistryAuth, request: httpx.Request, answer) -> list[httpx.Request]:
+    """Run one request through the auth flow, `answer(outgoing)` standing in for each hop; what went out."""
+    sent: list[httpx.Request] = []
+    flow = auth.auth_flow(request)
+    outgoing = next(flow)
+    while True:
+        sent.append(outgoing)
+        try:
+            outgoing = flow.send(answer(outgoing))
+        except StopIteration:
+            return sent
+
+
+def _bearer(realm: str) -> dict[str, str]:
+    return {"WWW-Authenticate": f'Bearer realm="{realm}",service="svc"'}
+
+
+@pytest.mark.parametrize(("realm", "trusted"), [
+    ("https://r.example.com/token", ()),  # the registry's own host:port
+    ("https://r.example.com:443/token", ()),
+    ("https://auth.example.com/token", ("auth.example.com",)),
+    ("https://auth.example.com:8443/token", ("auth.example.com:8443",)),
+    ("http://127.0.0.1:9000/token", ("127.0.0.1:9000",)),  # plain http only on loopback
+])
+def test_a_token_realm_is_followed_on_the_registry_itself_or_where_the_configuration_names_it(realm, trusted):
+    auth = RegistryAuth("r.example.com", Credentials("u", "p"), token_realms=trusted)
+    sent = _drive(auth, httpx.Request("GET", "https://r.example.com/v2/a/manifests/v1"),
+                  lambda out: (_respond(out, 200, body={"token": "t"}) if out.url.path == "/token" else
+                               _respond(out, 200) if "Authorization" in out.headers else
+                               _respond(out, 401, _bearer(realm))))
+    assert sent[1].url.copy_with(query=None) == httpx.URL(realm), "the token request went to the realm"
+    assert sent[-1].headers["Authorization"] == "Bearer t"
+
+
+@pytest.mark.parametrize(("realm", "trusted", "said"), [
+    ("https://auth.example.com/token", (), "another host, auth.example.com:443"),
+    ("https://r.example.com:8443/token", (), "another host, r.example.com:8443"),  # another port: another host
+    ("https://auth.example.com:8443/token", ("auth.example.com",), "auth.example.com:8443"),
+    ("https://auth.example.com/token", ("other.example.com",), "auth.example.com:443"),
+    ("http://auth.example.com/token", ("auth.example.com",), "plain http"),
+    ("ftp://r.example.com/token", (), "not an http(s) URL"),
+    ("/token", (), "not an http(s) URL"),
+])
+def test_a_token_realm_nobody_named_is_refused_before_any_credential_goes_there(realm, trusted, said):
+    auth = RegistryAuth("r.example.com", Credentials("u", "p-canary"), token_realms=trusted)
+    sent: list[httpx.Request] = []
+
+    def answer(out: httpx.Request) -> httpx.Response:
+        sent.append(out)
+        return _respond(out, 401, _bearer(realm))
+
+    with pytest.raises(RealmRefused) as raised:
+        _drive(auth, httpx.Request("GET", "https://r.example.com/v2/a/manifests/v1"), answer)
+    assert said in str(raised.value) and "p-canary" not in str(raised.value)
+    assert [r.url.host for r in sent] == ["r.example.com"], "no token request went out"
+    assert auth._challenge is None and auth.token_requests == 0
+
+
+def test_token_realm_hosts_come_from_IMAGEBUILD_TOKEN_REALMS_and_docker_hubs_is_built_in():
+    env = {"IMAGEBUILD_TOKEN_REALMS": "registry.gitlab.com=gitlab.com;127.0.0.1:5443=127.0.0.1:9000,[::1]:9001 "
+                                      "docker.io=extra.example.com"}
+    assert token_realms_from_env("registry.gitlab.com", env) == ("gitlab.com",)
+    assert token_realms_from_env("127.0.0.1:5443", env) == ("127.0.0.1:9000", "[::1]:9001")
+    assert token_realms_from_env("registry-1.docker.io", env) == ("extra.example.com",)
+    assert token_realms_from_env("elsewhere.example.com", env) == ()
+    assert RegistryAuth("registry-1.docker.io", token_realms=()).trusted_realms() == ("auth.docker.io",)
+    for bad in ("registry.gitlab.com", "r=", "r=host/path", "=host", "r=a,,b", "r=ho\x1bst"):
+        with pytest.raises(CredentialError) as raised:
+            token_realms_from_env("r", {"IMAGEBUILD_TOKEN_REALMS": bad})
+        assert "IMAGEBUILD_TOKEN_REALMS: entry 1" in str(raised.value) and "\x1b" not in str(raised.value)
+
+
+def test_a_request_elsewhere_or_a_redirect_targets_401_gets_no_credentials_and_changes_nothing():
+    auth = RegistryAuth("r.example.com", Credentials("u", "p"), origin="https://r.example.com")
+    basic = _drive(auth, httpx.Request("GET", "https://r.example.com/v2/a/manifests/v1"),
+                   lambda out: _respond(out, 200 if "Authorization" in out.headers else 401,
+                                        {"WWW-Authenticate": 'Basic realm="r"'}))
+    assert basic[-1].headers["Authorization"].startswith("Basic ") and auth._challenge.scheme == "basic"
+    challenge = auth._challenge
+    # The registry redirects a blob to storage, which answers 401 with a challenge of its own.
+    storage = httpx.Request("GET", "https://storage.example.net/blob")
+    sent = _drive(auth, httpx.Request("GET", "https://r.example.com/v2/a/blobs/sha256:00"),
+                  lambda out: httpx.Response(401, headers=_bearer("https://storage.example.net/token"),
+                                             request=storage))
+    assert len(sent) == 1, "no token request and no retry"
+    assert auth._challenge is challenge and auth.token_requests == 0
+    # A URL on another origin (an upload Location elsewhere) goes out without credentials, and
+    # the same host on another port or scheme is another origin.
+    for url in ("https://storage.example.net/upload", "https://r.example.com:8443/v2/a/blobs/uploads/x",
+                "http://r.example.com/v2/a/blobs/uploads/x"):
+        [out] = _drive(auth, httpx.Request("PUT", url), lambda out: _respond(out, 401, {"WWW-Authenticate": 'Basic realm="x"'}))
+        assert "Authorization" not in out.headers
+    assert auth._challenge is challenge
+
+
+# --- names from a registry ------------------------------------------------------------------
+
+@pytest.mark.parametrize("digest", ["sha256:" + "a" * 64, "sha512:" + "0" * 128])
+def test_registered_digests_pass(digest):
+    assert check_digest(digest) == digest and check_reference(digest) == digest
+
+
+@pytest.mark.parametrize("digest", [
+    "sha256:../../other/blobs/sha256:" + "a" * 64, "sha256:" + "a" * 63, "sha256:" + "A" * 64,
+    "sha512:" + "a" * 64, "md5:" + "a" * 32, "sha256:" + "a" * 64 + "/x", "sha256:" + "a" * 64 + "?x",
+    "sha256:" + "a" * 64 + "\n", "", None, 7,
+])
+def test_anything_else_is_not_a_digest(digest):
+    with pytest.raises(BadName):
+        check_digest(digest)
+
+
+@pytest.mark.parametrize(("tag", "good"), [
+    ("v1", True), ("_x", True), ("sha256-" + "a" * 64 + ".sig", True), ("a" * 128, True),
+    ("a" * 129, False), (".hidden", False), ("-x", False), ("a/b", False), ("..", False), ("v1?x", False),
+    ("t\x1b[2K", False), ("", False),
+])
+def test_tags_follow_the_oci_grammar(tag, good):
+    if good:
+        assert check_tag(tag) == tag
+    else:
+        with pytest.raises(BadName):
+            check_tag(tag)
+
+
+def test_a_refusal_names_the_value_escaped():
+    with pytest.raises(BadName) as raised:
+        check_descriptor({"digest": "sha256:\x1b[32mverified\x1b[0m/../x", "size": 1}, "layer")
+    message = str(raised.value)
+    assert "\x1b" not in message and "\\x1b[32mverified" in message and "layer digest" in message
+    with pytest.raises(BadName, match="size"):
+        check_descriptor({"digest": "sha256:" + "a" * 64, "size": "1"})
+
+
+def test_the_client_refuses_a_bad_name_before_any_request_goes_out():
+    sent: list[httpx.Request] = []
+    with Registry("127.0.0.1:9", event_hooks={"request": [sent.append]}) as registry:  # nothing listens
+        for call in (lambda: registry.get_blob("a", "sha256:../../b/blobs/x"),
+                     lambda: registry.head_manifest("a", "v1/../../b"),
+                     lambda: registry.referrers("a", "sha256:" + "a" * 64 + "/x"),
+                     lambda: registry.get_manifest("A/../b", "v1"),
+                     lambda: registry.try_mount("a", "sha256:" + "a" * 64, "../b")):
+            with pytest.raises(RegistryError):
+                call()
+    assert sent == []
 
 
 # --- Retry-After and backoff ----------------------------------------------------------------
@@ -259,6 +411,18 @@ def test_plain_http_only_for_loopback_by_default_or_registries_marked_insecure(t
     assert base_url("127.0.0.1:5000", insecure=False) == "https://127.0.0.1:5000"
 
 
+@pytest.mark.parametrize(("registry", "scheme"), [
+    ("127.0.0.1:5000", "http"), ("127.9.8.7", "http"), ("[::1]:5000", "http"), ("::1", "http"),
+    ("localhost", "http"), ("LOCALHOST:5000", "http"),
+    # Names that merely start like loopback are names: whoever controls their DNS gets https.
+    ("127.evil.example", "https"), ("127.0.0.1.nip.io:5000", "https"), ("127.1", "https"),
+    ("localhost.evil.example", "https"), ("0x7f000001", "https"), ("[::ffff:127.0.0.1]:5000", "https"),
+])
+def test_loopback_means_an_address_that_parses_as_one_not_a_prefix(registry, scheme):
+    assert base_url(registry).split(":", 1)[0] == scheme
+    assert is_loopback("127.evil.example") is False
+
+
 def test_cosign_and_referrers_fallback_tags_of_a_digest():
     digest = "sha256:" + "ab" * 32
     assert cosign_tag(digest, "sig") == "sha256-" + "ab" * 32 + ".sig"
@@ -267,41 +431,52 @@ def test_cosign_and_referrers_fallback_tags_of_a_digest():
 
 # --- where blobs were seen ------------------------------------------------------------------
 
+D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+
+
 def test_blob_locations_keep_the_newest_repositories_first_and_survive_in_their_file(tmp_path):
     path = tmp_path / "cache" / "blob-locations.json"
     locations = BlobLocations(path)
     for repository in ("a", "b", "c", "d", "e", "b"):
-        locations.remember("r.example.com", "sha256:1", repository)
-    assert locations.hints("r.example.com", "sha256:1") == ["b", "e", "d", "c"]
-    assert locations.hints("other.example.com", "sha256:1") == []
+        locations.remember("r.example.com", D1, repository)
+    assert locations.hints("r.example.com", D1) == ["b", "e", "d", "c"]
+    assert locations.hints("other.example.com", D1) == []
     locations.save()
-    assert BlobLocations(path).hints("r.example.com", "sha256:1") == ["b", "e", "d", "c"]
+    assert BlobLocations(path).hints("r.example.com", D1) == ["b", "e", "d", "c"]
 
 
 def test_saving_merges_what_another_process_wrote_meanwhile(tmp_path):
     path = tmp_path / "blob-locations.json"
     mine, theirs = BlobLocations(path), BlobLocations(path)
-    theirs.remember("r", "sha256:1", "theirs")
-    theirs.remember("r", "sha256:2", "theirs")
+    theirs.remember("r", D1, "theirs")
+    theirs.remember("r", D2, "theirs")
     theirs.save()
-    mine.remember("r", "sha256:1", "mine")
+    mine.remember("r", D1, "mine")
     mine.save()
     again = BlobLocations(path)
-    assert again.hints("r", "sha256:1") == ["mine", "theirs"] and again.hints("r", "sha256:2") == ["theirs"]
+    assert again.hints("r", D1) == ["mine", "theirs"] and again.hints("r", D2) == ["theirs"]
 
 
 def test_a_damaged_cache_file_is_ignored_and_a_refused_hint_forgotten(tmp_path):
     path = tmp_path / "blob-locations.json"
     path.write_text('{"locations": {"r": ')
     locations = BlobLocations(path)
-    assert locations.hints("r", "sha256:1") == []
-    locations.remember("r", "sha256:1", "gone")
-    locations.remember("r", "sha256:1", "here")
-    locations.forget("r", "sha256:1", "gone")
-    assert locations.hints("r", "sha256:1") == ["here"]
+    assert locations.hints("r", D1) == []
+    locations.remember("r", D1, "gone")
+    locations.remember("r", D1, "here")
+    locations.forget("r", D1, "gone")
+    assert locations.hints("r", D1) == ["here"]
 
 
 def test_the_cache_lives_under_IMAGEBUILD_CACHE_DIR_or_the_xdg_cache():
     assert default_cache_dir({"IMAGEBUILD_CACHE_DIR": "/c"}) == Path("/c")
     assert default_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/imagebuild")
     assert default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/imagebuild")
+
+
+def test_cache_entries_outside_the_oci_grammar_are_dropped_when_read(tmp_path):
+    path = tmp_path / "blob-locations.json"
+    path.write_text(json.dumps({"version": 1, "locations": {"r": {
+        D1: ["good/repo", "../other", "Upper", "a?mount=x"], "sha256:../../x": ["good/repo"]}}}))
+    locations = BlobLocations(path)
+    assert locations.hints("r", D1) == ["good/repo"] and locations.hints("r", "sha256:../../x") == []

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import base64
+import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from imagebuild import policies
+from imagebuild.oci import reference
 from imagebuild.trust import load_trust_config
 from tests.conftest import run_imagebuild
 from tests.crd_schema import crd_schema
@@ -169,11 +172,14 @@ def test_mode_enforce_refuses_and_warn_only_reports(tmp_path: Path, mode: str, c
 def test_image_globs_cover_tags_and_digests_of_the_configured_repositories(tmp_path: Path) -> None:
     files = generated(write_config(tmp_path))
     cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    # registry.test is reached over https, so :443 is the same registry; 127.0.0.1 over http.
     assert [g["glob"] for g in cip["images"]] == [
-        "registry.test/team/**:*", "registry.test/team/**@*", "127.0.0.1:5000/solo/*:*", "127.0.0.1:5000/solo/*@*"]
+        "registry.test/team/**:*", "registry.test/team/**@*", "registry.test:443/team/**:*",
+        "registry.test:443/team/**@*", "127.0.0.1:5000/solo/*:*", "127.0.0.1:5000/solo/*@*"]
     verify = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"][0]["verifyImages"][0]
     assert verify["imageReferences"] == [
-        "registry.test/team/*:*", "registry.test/team/*@*", "127.0.0.1:5000/solo/*:*", "127.0.0.1:5000/solo/*@*"]
+        "registry.test/team/*:*", "registry.test/team/*@*", "registry.test:443/team/*:*",
+        "registry.test:443/team/*@*", "127.0.0.1:5000/solo/*:*", "127.0.0.1:5000/solo/*@*"]
     assert verify["mutateDigest"] is True and verify["verifyDigest"] is True and verify["required"] is True
 
 
@@ -281,7 +287,8 @@ def test_webhook_runs_as_non_root_with_nothing_extra(tmp_path: Path) -> None:
 def test_webhook_serves_the_trust_config_with_tls_from_a_secret(tmp_path: Path) -> None:
     docs = webhook_documents(generated(write_config(tmp_path)))
     assert [d["kind"] for d in docs.values()] == ["Namespace", "ServiceAccount", "ConfigMap", "Deployment",
-                                                  "Service", "ValidatingWebhookConfiguration"]
+                                                  "Service", "MutatingWebhookConfiguration",
+                                                  "ValidatingWebhookConfiguration"]
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "registry.test/team/admission:1"
@@ -296,7 +303,7 @@ def test_webhook_serves_the_trust_config_with_tls_from_a_secret(tmp_path: Path) 
     assert flags["--tls-cert"] == f"{mounts['tls']}/tls.crt" and flags["--tls-key"] == f"{mounts['tls']}/tls.key"
     assert volumes["tls"]["secret"]["secretName"] == "admit-tls"
     assert all(d["metadata"].get("namespace", "admit-ns") == "admit-ns" for d in docs.values()
-               if d["kind"] not in ("Namespace", "ValidatingWebhookConfiguration"))
+               if d["kind"] not in ("Namespace", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"))
     service = docs["Service"]["spec"]
     assert service["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert service["ports"][0]["targetPort"] == "https"
@@ -315,15 +322,20 @@ def test_configmap_holds_a_config_the_webhook_loads_to_the_same_trust(tmp_path: 
         (original.mode, original.failure_policy, original.webhook)
 
 
+@pytest.mark.parametrize("kind, path", [("ValidatingWebhookConfiguration", "/validate"),
+                                        ("MutatingWebhookConfiguration", "/mutate")])
 @pytest.mark.parametrize("failure_policy, expected", [("fail", "Fail"), ("ignore", "Ignore")])
-def test_validating_webhook_configuration(tmp_path: Path, failure_policy: str, expected: str) -> None:
+def test_webhook_configurations(tmp_path: Path, failure_policy: str, expected: str, kind: str, path: str) -> None:
     docs = webhook_documents(generated(write_config(tmp_path, failure_policy=failure_policy)))
-    (hook,) = docs["ValidatingWebhookConfiguration"]["webhooks"]
+    assert docs[kind]["apiVersion"] == "admissionregistration.k8s.io/v1"
+    (hook,) = docs[kind]["webhooks"]
     assert hook["failurePolicy"] == expected
     assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
     assert 1 <= hook["timeoutSeconds"] <= 30
     service = hook["clientConfig"]["service"]
-    assert (service["namespace"], service["name"], service["path"]) == ("admit-ns", "admit", "/validate")
+    assert (service["namespace"], service["name"], service["path"], service["port"]) == (
+        "admit-ns", "admit", path, 443)
+    assert ("pods/ephemeralcontainers" in hook["rules"][0]["resources"]) and hook["rules"][0]["apiGroups"] == [""]
     covered = {(g, r) for rule in hook["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                if set(rule["operations"]) == {"CREATE", "UPDATE"}}
     assert {("", "pods"), ("apps", "deployments"), ("apps", "statefulsets"), ("apps", "daemonsets"),
@@ -333,14 +345,28 @@ def test_validating_webhook_configuration(tmp_path: Path, failure_policy: str, e
     assert docs["Deployment"]["spec"]["replicas"] >= 2
 
 
-def test_ca_bundle_is_inlined_when_given_else_cert_manager_injects_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"])
+def test_ca_bundle_is_inlined_when_given_else_cert_manager_injects_it(tmp_path: Path, kind: str) -> None:
     config_path = write_config(tmp_path)
-    without = webhook_documents(generated(config_path))["ValidatingWebhookConfiguration"]
+    without = webhook_documents(generated(config_path))[kind]
     assert "caBundle" not in without["webhooks"][0]["clientConfig"]
     assert without["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "admit-ns/admit-tls"
     pem = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
-    with_ca = webhook_documents(generated(config_path, ca_bundle=pem))["ValidatingWebhookConfiguration"]
+    with_ca = webhook_documents(generated(config_path, ca_bundle=pem))[kind]
     assert base64.b64decode(with_ca["webhooks"][0]["clientConfig"]["caBundle"]) == pem
+
+
+def test_the_mutating_webhook_is_the_validating_one_at_mutate_reinvoked_if_needed(tmp_path: Path) -> None:
+    docs = webhook_documents(generated(write_config(tmp_path), ca_bundle=b"PEM"))
+    (validating,) = docs["ValidatingWebhookConfiguration"]["webhooks"]
+    (mutating,) = docs["MutatingWebhookConfiguration"]["webhooks"]
+    assert mutating.pop("reinvocationPolicy") == "IfNeeded" and "reinvocationPolicy" not in validating
+    assert mutating.pop("name") != validating.pop("name")
+    assert mutating["clientConfig"]["service"].pop("path") == "/mutate"
+    validating["clientConfig"]["service"].pop("path")
+    # Same service, caBundle, namespace selector, rules (workloads included), failure policy, timeout.
+    assert mutating == validating
+    assert docs["MutatingWebhookConfiguration"]["metadata"] == docs["ValidatingWebhookConfiguration"]["metadata"]
 
 
 # --- files, headers, determinism -------------------------------------------------------------
@@ -415,3 +441,181 @@ def test_a_ca_bundle_that_is_not_pem_is_exit_2(tmp_path: Path) -> None:
                      "--out", str(tmp_path / "out"), "--ca-bundle", str(bundle))
     assert result.returncode == 2 and "is not a PEM certificate bundle" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- every spelling the webhook reads as a covered image, against each generated policy ----------
+#
+# The admission controllers' matching, modelled on their sources (the Kyverno CLI is not built on
+# these machines; policy-controller's own evaluator runs in tests/e2e/test_policy_tester.py):
+# - Kyverno ClusterPolicy: ext/wildcard (github.com/IGLOU-EU/go-wildcard/v2: `*` any run, `.` and
+#   `?` one character) against pkg/utils/image GetImageInfo(...).String();
+# - Kyverno ImageValidatingPolicy: the CEL `ref.matches(RE2)` on the text as written;
+# - policy-controller: pkg/apis/glob Match against go-containerregistry's Name(), then the text.
+
+SPELLING_IMAGES = ["harbor.example.com/release/*", "docker.io/library/nginx", "docker.io/paddlepaddle/**",
+                   "127.0.0.1:5000/solo/*"]
+D = "sha256:" + "a" * 64
+# canonical repository -> spellings the runtime pulls from the same place; "odd" ones (host case,
+# zero-padded port) cannot be listed as globs or wildcards.
+COVERED = {
+    "harbor.example.com/release/paddle": {
+        "exact": ["harbor.example.com/release/paddle", "harbor.example.com/release/paddle:3.3.1",
+                  "harbor.example.com:443/release/paddle:3.3.1", "harbor.example.com/release/paddle:1@" + D,
+                  "harbor.example.com:443/release/paddle@" + D],
+        "odd": ["Harbor.Example.COM/release/paddle:1", "HARBOR.EXAMPLE.COM:443/release/paddle:1@" + D,
+                "harbor.example.com:0443/release/paddle@" + D, "harbor.EXAMPLE.com/release/paddle"]},
+    "docker.io/library/nginx": {
+        "exact": ["nginx", "nginx:1.27", "nginx@" + D, "library/nginx:1", "docker.io/nginx", "docker.io/library/nginx:1",
+                  "index.docker.io/nginx:1", "index.docker.io/library/nginx@" + D, "registry-1.docker.io/library/nginx:1",
+                  "docker.io:443/library/nginx", "index.docker.io:443/nginx:1"],
+        "odd": ["Docker.IO/library/nginx:1", "INDEX.docker.io/nginx", "docker.io:00443/nginx"]},
+    "docker.io/paddlepaddle/paddle": {
+        "exact": ["paddlepaddle/paddle:3.0.0", "docker.io/paddlepaddle/paddle", "index.docker.io/paddlepaddle/paddle@" + D],
+        "odd": ["DOCKER.IO/paddlepaddle/paddle:3.0.0"]},
+    "127.0.0.1:5000/solo/app": {"exact": ["127.0.0.1:5000/solo/app:1", "127.0.0.1:5000/solo/app@" + D], "odd": []},
+}
+UNCOVERED = ["harbor.example.com/other/paddle:1", "harbor.example.com:8443/release/paddle:1",
+             "evil.example.com/release/paddle:1", "harbor.example.com.evil.io/release/paddle:1",
+             "nginx2:1", "docker.io/library/nginx2",
+             "paddlepaddle2/paddle", "quay.io/nginx:1", "127.0.0.1:5001/solo/app:1", "127.0.0.1:443/solo/app",
+             "localhost:5000/solo/app", "my.registry/paddlepaddle/paddle:1", "library/nginx/x:1"]
+# (harbor.example.com/release/a/b is left out: Kyverno's `*` crosses `/`, so its patterns are wider.)
+
+
+def kyverno_wildcard(pattern: str, text: str) -> bool:
+    regex = "".join(".*" if c == "*" else "." if c in "?." else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, text, re.S) is not None
+
+
+def kyverno_image(raw: str, *, library: bool, mutation: bool = True) -> str:
+    """GetImageInfo(raw).String(): docker.io added when the first segment is no host, host case
+    kept, :latest when neither tag nor digest; newer Kyverno adds library/ to one-part paths."""
+    first, slash, _ = raw.partition("/")
+    implicit = not slash or not (re.search(r"[.:]", first) or first == "localhost" or first != first.lower())
+    parts = reference.split(f"docker.io/{raw}" if implicit else raw)
+    path = f"library/{parts.path}" if library and "/" not in parts.path else parts.path
+    name = path if implicit and not mutation else f"{parts.host}/{path}"
+    return f"{name}@{parts.digest}" if parts.digest else f"{name}:{parts.tag or 'latest'}"
+
+
+def ggcr_name(raw: str) -> str:
+    """go-containerregistry's Reference.Name(): a first segment with '.' or ':' is the registry, else
+    index.docker.io; docker.io -> index.docker.io; library/ there; :latest; a digest drops the tag."""
+    first, slash, rest = raw.partition("/")
+    host, name = (first, rest) if slash and re.search(r"[.:]", first) else ("index.docker.io", raw)
+    host = "index.docker.io" if host == "docker.io" else host
+    parts = reference.split(name)
+    path = f"library/{parts.path}" if host == "index.docker.io" and "/" not in parts.path else parts.path
+    return f"{host}/{path}@{parts.digest}" if parts.digest else f"{host}/{path}:{parts.tag or 'latest'}"
+
+
+def policy_controller_matches(globs: list[str], raw: str) -> bool:
+    def compiled(glob: str) -> re.Pattern[str]:
+        assert re.fullmatch(r"[a-zA-Z0-9\-_:/*.@]+", glob), glob  # pkg/apis/glob validGlob
+        return re.compile("^" + re.escape(glob).replace(r"\*\*", "#").replace(r"\*", "[^/]*").replace("#", ".*") + "$")
+
+    name = ggcr_name(raw)
+    return any(compiled(g).match(name) or compiled(g).match(raw) for g in globs)
+
+
+@dataclass(frozen=True)
+class Generated:
+    cip_globs: list[str]
+    verify_patterns: list[str]
+    deny_regexes: tuple[str, str]  # (any case, exact) of the ClusterPolicy's spelling rule
+    ivp_regex: str
+
+    def kyverno_verifies(self, raw: str, **how: bool) -> bool:
+        return any(kyverno_wildcard(p, kyverno_image(raw, **how)) for p in self.verify_patterns)
+
+    def kyverno_denies(self, raw: str) -> bool:
+        any_case, exact = self.deny_regexes
+        return bool(re.search(any_case, raw)) and not re.search(exact, raw)
+
+    def ivp_matches(self, raw: str) -> bool:
+        return re.search(self.ivp_regex, raw) is not None
+
+
+@pytest.fixture(scope="module")
+def spelled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generated, Any]:
+    folder = tmp_path_factory.mktemp("spellings")
+    (folder / "k.pub").write_text(public_pem())
+    globs = "".join(f"  - \"{g}\"\n" for g in SPELLING_IMAGES)
+    path = folder / "trust.yaml"
+    path.write_text(f"schema: 1\nkeys:\n  - name: k\n    path: k.pub\nimages:\n{globs}")
+    files = generated(path)
+    cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    rules = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"]
+    conditions = rules[1]["validate"]["foreach"][0]["deny"]["conditions"]["all"]
+    regexes = tuple(re.fullmatch(r"\{\{ regex_match\('(.*)', element\.image\) \}\}", c["key"]).group(1)  # type: ignore[union-attr]
+                    for c in conditions)
+    expression = document(files, policies.KYVERNO_IMAGE_VALIDATING_POLICY)["spec"]["matchImageReferences"][0]["expression"]
+    ivp = re.fullmatch(r"ref\.matches\('(.*)'\)", expression).group(1)  # type: ignore[union-attr]
+    assert [c["value"] for c in conditions] == [True, False] and "\\" not in "".join(regexes) + ivp
+    return Generated([g["glob"] for g in cip["images"]], rules[0]["verifyImages"][0]["imageReferences"],
+                     (regexes[0], regexes[1]), ivp), load_trust_config(path)
+
+
+SPELLINGS = [(canonical, kind, raw) for canonical, kinds in COVERED.items() for kind, raws in kinds.items() for raw in raws]
+
+
+@pytest.mark.parametrize("canonical, kind, raw", SPELLINGS)
+def test_every_spelling_of_a_covered_image_is_verified_or_refused_by_every_policy(
+        spelled: tuple[Generated, Any], canonical: str, kind: str, raw: str) -> None:
+    policy, config = spelled
+    # The webhook reads it as the covered image (and so verifies it).
+    ref = reference.parse(raw)
+    assert ref.canonical_name == canonical and config.covers(ref.canonical_name)
+    # The ImageValidatingPolicy matches every spelling, host in any case: Kyverno verifies it.
+    assert policy.ivp_matches(raw)
+    if kind == "exact":
+        # policy-controller and the ClusterPolicy's verifyImages match it (Kyverno old and new,
+        # and with enableDefaultRegistryMutation off); the spelling rule lets it through.
+        assert policy_controller_matches(policy.cip_globs, raw), ggcr_name(raw)
+        for how in ({"library": True}, {"library": False}, {"library": True, "mutation": False},
+                    {"library": False, "mutation": False}):
+            assert policy.kyverno_verifies(raw, **how), (kyverno_image(raw, **how), how)
+        assert not policy.kyverno_denies(raw)
+    else:
+        # No glob can list it: policy-controller matches none (no-match-policy deny refuses it),
+        # and the ClusterPolicy's spelling rule refuses it.
+        assert not policy_controller_matches(policy.cip_globs, raw)
+        assert policy.kyverno_denies(raw)
+
+
+@pytest.mark.parametrize("raw", UNCOVERED)
+def test_images_outside_the_globs_are_left_to_other_policies(spelled: tuple[Generated, Any], raw: str) -> None:
+    policy, config = spelled
+    assert not config.covers(reference.parse(raw).canonical_name)
+    assert not policy_controller_matches(policy.cip_globs, raw)
+    assert not any(policy.kyverno_verifies(raw, library=lib) for lib in (True, False))
+    assert not policy.kyverno_denies(raw) and not policy.ivp_matches(raw)
+
+
+def test_the_old_exact_spelling_patterns_let_the_other_spellings_through(spelled: tuple[Generated, Any]) -> None:
+    """The defect: patterns from the glob as written missed :443, docker.io's other names and `nginx`."""
+    old = ["harbor.example.com/release/*:*", "docker.io/library/nginx:*"]
+    escaped = ["harbor.example.com:443/release/paddle:1", "index.docker.io/library/nginx:1", "docker.io/nginx:1"]
+    assert not any(kyverno_wildcard(p, kyverno_image(raw, library=False)) for raw in escaped for p in old)
+    policy, _ = spelled
+    assert all(policy.kyverno_verifies(raw, library=False) for raw in escaped)
+
+
+def test_kyverno_models_agree_with_kyvernos_own_examples() -> None:
+    # pkg/utils/image/infos_test.go (Kyverno before library/ was added) and go-wildcard's rules.
+    assert kyverno_image("nginx", library=False) == "docker.io/nginx:latest"
+    assert kyverno_image("localhost:4443/test/nginx", library=False) == "localhost:4443/test/nginx:latest"
+    assert kyverno_image("test/nginx", library=False, mutation=False) == "test/nginx:latest"
+    assert kyverno_image("docker.io/test/centos@" + D, library=False) == "docker.io/test/centos@" + D
+    assert kyverno_wildcard("a.b*", "aXb/c:d") and not kyverno_wildcard("a/b:*", "A/b:1")
+    assert ggcr_name("ubuntu") == "index.docker.io/library/ubuntu:latest"
+    assert ggcr_name("docker.io/user/app@" + D) == "index.docker.io/user/app@" + D
+
+
+def test_a_glob_host_is_normalised_and_only_https_hosts_get_443() -> None:
+    assert [str(s) for s in policies.spellings("Harbor.Example.com:443/p/*")] == [
+        "harbor.example.com/p/*", "harbor.example.com:443/p/*"]
+    assert [str(s) for s in policies.spellings("localhost:5000/p/*")] == ["localhost:5000/p/*"]
+    assert [str(s) for s in policies.spellings("**")] == ["**"]
+    # A hostless spelling never starts a Kyverno pattern with a wildcard (it would cover every registry).
+    assert not [p for p in policies.kyverno_patterns(["docker.io/**", "*/library/*"]) if p.startswith("*:")]

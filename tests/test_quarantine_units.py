@@ -14,7 +14,8 @@ def test_the_mark_of_a_digest_is_one_tag_a_registry_accepts():
     assert len(tag) <= 128
 
 
-@pytest.mark.parametrize("bad", ["sha256:abc", "md5:" + "0" * 32, "latest", ""])
+@pytest.mark.parametrize("bad", ["sha256:abc", "md5:" + "0" * 32, "latest", "", "sha256:" + "G" * 64,
+                                 "sha256:" + "../" * 21 + "a"])
 def test_anything_but_a_sha256_digest_has_no_mark(bad):
     with pytest.raises(ValueError):
         quarantine_tag(bad)

@@ -12,6 +12,7 @@ from imagebuild.source import InputError
 from imagebuild.trust import (
     FailurePolicy,
     Mode,
+    QuarantineSource,
     glob_matches,
     load_trust_config,
     trust_config_for_keys,
@@ -168,3 +169,27 @@ def test_a_private_key_given_as_the_trust_file_is_not_echoed(tmp_path):
     message = error_of(path)
     assert "expected a mapping" in message and "not shown" in message
     assert private.splitlines()[1][:20] not in message
+
+
+def test_the_quarantine_source_is_optional_and_reads_back_as_written(tmp_path, keys):
+    base = "keys: [{name: old, path: old.pub}]\nimages: ['**']\n"
+    assert load_trust_config(write(tmp_path, base)).quarantine is None
+    config = load_trust_config(write(tmp_path, base + "quarantine: {registry: 'harbor.example.com:443', "
+                                                      "repository: paddle/rollout-state}\n"))
+    assert config.quarantine == QuarantineSource("harbor.example.com:443", "paddle/rollout-state", 10)
+    config = load_trust_config(write(tmp_path, base + "quarantine: {registry: h.example, repository: s, "
+                                                      "cache_ttl_seconds: 0}\n"))
+    assert config.quarantine is not None and config.quarantine.cache_ttl_seconds == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("{registry: 'h/x', repository: s}", "quarantine.registry: 'h/x' is not a registry host[:port]"),
+    ("{registry: h, repository: '../s'}", "quarantine.repository: '../s' is not a repository name"),
+    ("{registry: h}", "repository"),
+    ("{registry: h, repository: s, cache_ttl_seconds: 99999}", "quarantine.cache_ttl_seconds"),
+    ("{registry: h, repository: s, tag: x}", "tag"),
+])
+def test_a_bad_quarantine_source_is_one_line_naming_its_key(tmp_path, keys, value, expected):
+    message = error_of(write(tmp_path, f"keys: [{{name: old, path: old.pub}}]\nimages: ['**']\nquarantine: {value}\n"))
+    assert message.startswith(f"{tmp_path / 'trust.yaml'}:3"), message
+    assert expected in message, message

@@ -30,8 +30,9 @@ def one_error_line(run) -> str:
 
 def test_a_malformed_image_reference_is_bad_input(public_key):
     line = one_error_line(run_imagebuild("verify", "--key", public_key, "127.0.0.1:5000/Not/Lowercase:v1"))
-    assert line == ("error: 127.0.0.1:5000/Not/Lowercase:v1: not an image reference: "
-                    "repository 'Not/Lowercase' is not lowercase path components")
+    # The reference grammar's own words follow (imagebuild/reference.py says which characters a path takes).
+    assert line.startswith("error: 127.0.0.1:5000/Not/Lowercase:v1: not an image reference: "
+                           "repository 'Not/Lowercase' is not lowercase path components")
 
 
 def test_a_missing_key_file_is_bad_input(tmp_path):

@@ -214,6 +214,8 @@ SAMPLES = [
            "ignore_unfixed: invalid bool 'maybe'"),
     Sample("explicit-timestamp-on-other-text", "matrix", text(MATRIX + "name: !!timestamp soon\n"), NEXT,
            "name: invalid timestamp 'soon'"),
+    # Found by tests/test_fuzz_yaml.py: PyYAML's int constructor indexes the empty string.
+    Sample("explicit-int-on-nothing", "matrix", text(MATRIX + "name: !!int\n"), NEXT, "name: invalid int ''"),
     Sample("undefined-alias", "matrix", text(MATRIX + "name: *nowhere\n"), NEXT, "found undefined alias"),
     Sample("empty-file", "policy", text(""), 1, "the file is empty"),
 ]

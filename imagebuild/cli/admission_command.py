@@ -1,19 +1,22 @@
-"""imagebuild admission: the validating admission webhook (serve) and one review judged offline (review)."""
+"""imagebuild admission: the admission webhook (serve: validating and mutating) and one review judged offline."""
 from __future__ import annotations
 
 import json
 import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from .. import admission
+from ..admission import Verdict
+from ..admission_quarantine import QuarantineMarks, with_quarantine
 from ..admission_server import DecisionLog, ServerSettings, serve, tls_context
 from ..source import InputError
 from ..trust import FailurePolicy, Mode, TrustConfig, load_trust_config
 from ..verify import Verifier
-from .common import EXIT_FAILED, reports_input_errors
+from .common import EXIT_FAILED, echo, reports_input_errors
 
 config_option = click.option(
     "--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -24,8 +27,9 @@ config_option = click.option(
 def admission_group() -> None:
     """The validating admission webhook: Kubernetes asks it about every Pod and Pod template.
 
-    It verifies each container, init container and ephemeral container image with the same
-    checks as `imagebuild verify` and allows the object only when every image passes.
+    It verifies each container, init container, ephemeral container and image volume with the
+    same checks as `imagebuild verify` and allows the object only when every image passes; the
+    mutating endpoint also pins each admitted image to the digest it was verified at.
     """
 
 
@@ -37,18 +41,30 @@ def admission_group() -> None:
               help="PEM private key of that certificate.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8443, show_default=True, type=click.IntRange(1, 65535), help="HTTPS port.")
+@click.option("--request-deadline", default=ServerSettings.request_deadline_s, show_default=True,
+              type=click.FloatRange(0.5, 60), metavar="SECONDS",
+              help="A whole request (TLS handshake, request line, headers, body) must arrive within this.")
+@click.option("--max-connections", default=ServerSettings.max_connections, show_default=True,
+              type=click.IntRange(1, 100000), help="Connections open at once, all clients together.")
+@click.option("--max-connections-per-client", default=ServerSettings.max_connections_per_client,
+              show_default=True, type=click.IntRange(1, 100000),
+              help="Connections open at once from one address (an IPv6 /64).")
 @reports_input_errors
-def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, port: int) -> None:
+def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, port: int, request_deadline: float,
+                  max_connections: int, max_connections_per_client: int) -> None:
     """Serve AdmissionReview v1 over HTTPS (TLS 1.2+) until SIGTERM.
 
     \b
-    POST /validate   the webhook (ValidatingWebhookConfiguration's path)
+    POST /validate   the validating webhook (ValidatingWebhookConfiguration's path)
+    POST /mutate     the mutating webhook: the same checks, and a JSONPatch pinning each
+                     admitted image to its verified digest (repo:tag@sha256:...)
     GET  /healthz    liveness: the process answers
     GET  /readyz     readiness: 503 once SIGTERM came, while requests in flight finish
 
     Verdicts are cached by digest for the configuration's cache_ttl_seconds, across requests;
-    a tag is resolved again on every request, so a moved tag is noticed at once. One JSON line
-    per decision on stderr (uid, kind, namespace/name, decision, images).
+    a tag is resolved again on every request, so a moved tag is noticed at once. A digest
+    quarantined in the state repository named by the configuration's `quarantine:` is refused.
+    One JSON line per decision on stderr (uid, kind, namespace/name, decision, images).
 
     \b
     Examples:
@@ -60,19 +76,22 @@ def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, p
     config = load_trust_config(config_path)
     context = _tls(tls_cert, tls_key)
     verifier = Verifier(config)  # one for the whole server: its cache serves every request
-    settings = ServerSettings(host=host, port=port)
+    settings = ServerSettings(host=host, port=port, request_deadline_s=request_deadline,
+                              max_connections=max_connections, max_connections_per_client=max_connections_per_client)
     try:
-        serve(settings, context, verifier.verify, _policy(config), DecisionLog(sys.stderr))
+        serve(settings, context, _checks(config, verifier), _policy(config), DecisionLog(sys.stderr))
     except OSError as err:
-        click.echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
+        echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
         sys.exit(EXIT_FAILED)
 
 
 @admission_group.command("review")
 @config_option
 @click.argument("review_file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.option("--mutate", is_flag=True,
+              help="Answer as POST /mutate does: with the JSONPatch pinning each admitted image to its digest.")
 @reports_input_errors
-def review_command(config_path: Path, review_file: Path) -> None:
+def review_command(config_path: Path, review_file: Path, mutate: bool) -> None:
     """Judge one AdmissionReview v1 (a file, or - for stdin) as the webhook would; print its response.
 
     Exit 0 when allowed, 1 when denied (a malformed review with a uid is denied too), 2 when the
@@ -81,19 +100,26 @@ def review_command(config_path: Path, review_file: Path) -> None:
     \b
     Examples:
       imagebuild admission review --config policies/trust.yaml review.json
+      imagebuild admission review --mutate --config trust.yaml review.json | jq -r .response.patch | base64 -d
       kubectl create -f pod.yaml --dry-run=server   # what the cluster does with the same webhook
       cat review.json | imagebuild admission review --config trust.yaml - | jq .response
     """
     config = load_trust_config(config_path)
     body = _read(review_file)
-    verifier = Verifier(config)
-    outcome = admission.review(body, lambda images: {image: verifier.verify(image) for image in images},
-                               _policy(config))
+    verify = _checks(config, Verifier(config))
+    outcome = admission.review(body, lambda images: {image: verify(image) for image in images}, _policy(config),
+                               pin=mutate)
     if outcome.http_status != 200:
         raise InputError(str(review_file), None, "", outcome.body["error"])
     click.echo(json.dumps(outcome.body, indent=2))
     if not outcome.body["response"]["allowed"]:
         sys.exit(EXIT_FAILED)
+
+
+def _checks(config: TrustConfig, verifier: Verifier) -> Callable[[str], Verdict]:
+    """The verifier's verdict, then the quarantine marks of the state repository (when the config names one)."""
+    marks = QuarantineMarks(config.quarantine) if config.quarantine is not None else None
+    return with_quarantine(verifier.verify, marks)
 
 
 def _policy(config: TrustConfig) -> admission.Policy:

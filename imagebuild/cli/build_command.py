@@ -19,12 +19,15 @@ from .common import (
     EXIT_FAILED,
     _revision,
     dockerfiles_dir,
+    echo,
     format_option,
     matrix_option,
     only_option,
     report_at,
     reports_input_errors,
     revision_option,
+    safe_lines,
+    secret_lane_options,
     stderr,
 )
 
@@ -47,6 +50,7 @@ from .common import (
               help="Stop a layer's build after this long; it fails as 'timed out after N s'.")
 @click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
               help="Take a declared build secret from this file instead (e.g. from CI's secret store).")
+@secret_lane_options
 @click.option("--push-with", type=click.Choice(["imagebuild", "docker"]), default="imagebuild", show_default=True,
               help="imagebuild: new layers gzipped on every core, the parent's blobs reused; "
                    "docker: `docker push` (one core).")
@@ -54,8 +58,8 @@ from .common import (
 @format_option("table", "json")
 @reports_input_errors
 def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
-          workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], push_with: str,
-          revision: str | None, output_format: str) -> None:
+          workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], secret_dirs: tuple[str, ...],
+          secret_env: tuple[str, ...], push_with: str, revision: str | None, output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
 
     Layer images go to the cache repository under their content keys; each variant gets its
@@ -68,9 +72,13 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
       imagebuild build --only device=cpu --jobs 4
       imagebuild build --dry-run --format json     # what would be built
       imagebuild build --layers base/debian12      # one shared layer (CI's first fan-out level)
+      imagebuild build --secret-dir /run/ci-secrets --secret-env PIP_CONF   # the secrets' lane
     """
     selection = Selection.parse(only)
     matrix = load_matrix(matrix_path)
+    overrides = building.parse_secret_overrides(secret_overrides)
+    lane = building.SecretLane.from_settings(secret_dirs, secret_env)
+    building.check_secret_lane(matrix, lane, overrides)  # before any registry request or build
     rev, created = _revision(revision)
     the_plan = building.prepare(matrix, rev, created)
     refs = [ref.strip() for refs in layer_refs for ref in refs.split(",") if ref.strip()]
@@ -82,7 +90,7 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
     report = building.registry_plan(the_plan, variants, layer_keys=layers)
     report.revision = rev
     report.matrix_sha256 = "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest()  # for the provenance
-    secrets = building.secret_files(matrix, building.parse_secret_overrides(secret_overrides))
+    secrets = building.secret_files(matrix, overrides, lane)
     options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
                                     workdir=workdir, secrets=secrets.paths, secret_values=secrets.values,
@@ -111,21 +119,23 @@ def print_build_summary(report: reporting.BuildReport, path: Path, output_format
         return
     built, reused = summary.get("built", 0), summary.get("reused", 0)
     if report.status == "planned":
-        click.echo(f"{summary.get('to-build', 0)} to build, {reused} reused (dry run; report: {path})")
+        echo(f"{summary.get('to-build', 0)} to build, {reused} reused (dry run; report: {path})")
     elif built == 0 and report.status == "ok":
         click.echo(f"nothing to build: all {reused} layers reused")
     else:
         click.echo(f"{built} built, {reused} reused, {summary.get('failed', 0)} failed, "
                    f"{summary.get('skipped', 0)} skipped")
     for v in report.variants:
-        click.echo(f"  {v.status:8} {v.id}  {v.image or ''}")
+        echo(f"  {v.status:8} {v.id}  {v.image or ''}")
     timed = [rec for rec in report.layers if rec.steps]
     if timed:
         click.echo("where the time went (s):")
     for rec in timed:
         steps = "  ".join(f"{name.removesuffix('_s')} {value}" for name, value in (rec.steps or {}).items())
-        click.echo(f"  {rec.path:60} {steps}  ({rec.pushed_by or 'not pushed'})")
+        echo(f"  {rec.path:60} {steps}  ({rec.pushed_by or 'not pushed'})")
     for rec in report.layers:
-        if rec.status == "failed":
-            click.echo(f"\nFAILED {rec.path} (log: {rec.log}):\n{rec.error}", err=True)
-    click.echo(f"report: {path}")
+        if rec.status == "failed":  # the log's tail: what the matrix's run steps printed, escaped
+            click.echo(err=True)
+            echo(f"FAILED {rec.path} (log: {rec.log}):", err=True)
+            click.echo(safe_lines(rec.error), err=True)
+    echo(f"report: {path}")

@@ -14,7 +14,7 @@ import click
 
 from .. import selection
 from ..registry import RegistryError
-from ..source import InputError
+from ..source import InputError, escape_text
 from ..tools import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
 
 if TYPE_CHECKING:
@@ -52,6 +52,41 @@ else:
         return console
 
 
+def safe(value: object, limit: int | None = None) -> str:
+    """A value from untrusted data (a registry, an attestation, a YAML file, an AdmissionReview),
+    fit to print: control characters, escape sequences (ESC, CSI), line and paragraph separators,
+    bidirectional and invisible formatting characters are written as visible escapes (source.UNSAFE_TEXT),
+    so no value can end a line, rewrite one, or move the cursor. `limit` bounds it in characters.
+
+    Every line a command prints from such data goes through here, whole or field by field.
+    """
+    text = escape_text(str(value))
+    return text if limit is None or len(text) <= limit else text[:max(0, limit - 3)] + "..."
+
+
+def safe_markup(value: object, limit: int | None = None) -> str:
+    """`safe`, and rich's markup escaped too: for text that goes into a rich table, tree or print,
+    where `[link=...]` or `[/]` from a registry would otherwise be read as markup."""
+    from rich.markup import escape
+
+    return escape(safe(value, limit))
+
+
+def safe_cells(*values: object) -> list[str]:
+    """A rich table row from untrusted values: each `safe_markup`."""
+    return [safe_markup(value) for value in values]
+
+
+def safe_lines(text: object) -> str:
+    """Several lines (a tool's output tail, a multi-line message): each made safe, the line breaks kept."""
+    return "\n".join(safe(line) for line in str(text).splitlines())
+
+
+def echo(line: object = "", err: bool = False) -> None:
+    """click.echo of one line, made safe whole (for lines that hold untrusted values)."""
+    click.echo(safe(line), err=err)
+
+
 _stage_report: dict[str, Path] = {}
 
 
@@ -80,13 +115,13 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except InputError as err:
-            click.echo(f"error: {err}", err=True)
+            echo(f"error: {err}", err=True)
             sys.exit(EXIT_BAD_INPUT)
-        except ToolMissing as err:
-            click.echo(f"error: {err}", err=True)
+        except ToolMissing as err:  # may quote a tool's last lines
+            click.echo(f"error: {safe_lines(err)}", err=True)
             sys.exit(EXIT_ENVIRONMENT)
-        except RegistryError as err:
-            click.echo(f"error: registry: {err}", err=True)
+        except RegistryError as err:  # its text may quote the registry's answer
+            echo(f"error: registry: {err}", err=True)
             sys.exit(EXIT_ENVIRONMENT)
         except KeyboardInterrupt as err:  # tools.Cancelled (SIGTERM) included
             cancel_children()
@@ -104,7 +139,7 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 pass
             if debugging():
                 traceback.print_exc()
-            click.echo(f"error: {stage}: {_one_line(err)}{_report_note()}", err=True)
+            echo(f"error: {stage}: {_one_line(err)}{_report_note()}", err=True)
             sys.exit(EXIT_FAILED)
 
     return wrapper
@@ -156,6 +191,18 @@ def _revision(revision: str | None) -> tuple[str, str]:
 
     commit, created = building.git_revision(Path.cwd())
     return (revision or commit), created
+
+
+def secret_lane_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--secret-dir / --secret-env: the lane the matrix's build secrets must stay in (the operator's, not the matrix's)."""
+    func = click.option(
+        "--secret-env", "secret_env", multiple=True, metavar="NAME",
+        help="Let a matrix `secrets.<id>.env` read this variable (repeatable; also IMAGEBUILD_SECRET_ENV, "
+             "comma-separated). Without it no environment variable reaches a build.")(func)
+    return click.option(
+        "--secret-dir", "secret_dirs", multiple=True, metavar="DIR",
+        help="Let a matrix `secrets.<id>.file` name files under this directory, after resolving links "
+             "(repeatable; also IMAGEBUILD_SECRET_DIRS). The system CA bundle is always allowed.")(func)
 
 
 workdir_option = click.option(

@@ -20,7 +20,7 @@ import click
 
 from .. import harbor
 from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors
+from .common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors
 
 url_option = click.option("--url", required=True, metavar="URL",
                           help="Harbor's address, e.g. https://harbor.example.com (http only for loopback).")
@@ -129,9 +129,9 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
         try:
             write_secret(secret_file, secret)
         except OSError as err:
-            click.echo(f"error: harbor: {report.robot.name if report.robot else 'the robot'} has a new secret, but "
-                       f"{secret_file} could not be written ({err.strerror or type(err).__name__}); run again with "
-                       f"--rotate-secret to issue another", err=True)
+            echo(f"error: harbor: {report.robot.name if report.robot else 'the robot'} has a new secret, but "
+                 f"{secret_file} could not be written ({err.strerror or type(err).__name__}); run again with "
+                 f"--rotate-secret to issue another", err=True)
             sys.exit(EXIT_FAILED)
     if output_format == "json":
         click.echo(json.dumps({**report.to_dict(), "secret_file": str(secret_file) if secret and secret_file else None},
@@ -140,11 +140,11 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
     _print_report(report)
     if secret is not None and report.robot is not None:
         if secret_file is not None:
-            click.echo(f"secret of {report.robot.name} written to {secret_file} (mode 0600)")
+            echo(f"secret of {report.robot.name} written to {secret_file} (mode 0600)")
         else:
-            click.echo(f"The secret of {report.robot.name} is shown once; store it now (next time use --secret-file):",
-                       err=True)
-            click.echo(secret)
+            echo(f"The secret of {report.robot.name} is shown once; store it now (next time use --secret-file):",
+                 err=True)
+            echo(secret)
 
 
 @harbor_group.command("scan-overview")
@@ -184,7 +184,7 @@ def scan_overview_command(url: str, images: tuple[str, ...], ca_bundle: Path | N
         click.echo(json.dumps({"url": base_url, "artifacts": [o.to_dict() for o in overviews]}, indent=2))
     else:
         for overview in overviews:
-            click.echo(_overview_line(overview))
+            echo(_overview_line(overview))
     if not all(o.found for o in overviews):
         sys.exit(EXIT_FAILED)
 
@@ -247,30 +247,30 @@ def _harbor_failures() -> Iterator[None]:
     try:
         yield
     except (harbor.HarborUnavailable, harbor.HarborAuthError) as err:
-        click.echo(f"error: harbor: {err}", err=True)
+        echo(f"error: harbor: {err}", err=True)
         sys.exit(EXIT_ENVIRONMENT)
     except harbor.HarborError as err:
-        click.echo(f"error: harbor: {err}", err=True)
+        echo(f"error: harbor: {err}", err=True)
         sys.exit(EXIT_FAILED)
 
 
 def _print_report(report: harbor.EnsureReport) -> None:
     project = report.project
     if project.action == "unchanged":
-        click.echo(f"project {project.name}: unchanged")
+        echo(f"project {project.name}: unchanged")
     else:
         changes = ", ".join(f"{k} {b or 'unset'} -> {a}" if b is not None or project.action != "created" else f"{k}={a}"
                             for k, (b, a) in project.changes.items())
-        click.echo(f"project {project.name}: {project.action} ({changes})")
+        echo(f"project {project.name}: {project.action} ({changes})")
     for rule in report.rules:
-        click.echo(f"immutable tags {rule.pattern}: {rule.action} (rule {rule.id}; sha256-* tags stay writable)")
+        echo(f"immutable tags {rule.pattern}: {rule.action} (rule {rule.id}; sha256-* tags stay writable)")
     if report.robot is not None:
         robot = report.robot
         expires = ("never expires" if robot.expires_at == -1 else
                    f"expires {dt.datetime.fromtimestamp(robot.expires_at, dt.timezone.utc):%Y-%m-%d %H:%M} UTC")
         hint = "; its secret is not shown again (--rotate-secret issues a new one)" if robot.secret is None else ""
-        click.echo(f"robot {robot.name}: {robot.action}, {expires}{hint}")
-    click.echo(f"Harbor {report.harbor_version} at {report.url}: {'changed' if report.changed else 'nothing changed'}")
+        echo(f"robot {robot.name}: {robot.action}, {expires}{hint}")
+    echo(f"Harbor {report.harbor_version} at {report.url}: {'changed' if report.changed else 'nothing changed'}")
 
 
 def _overview_line(overview: harbor.ScanOverview) -> str:

@@ -13,8 +13,10 @@ from .common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
+    echo,
     format_option,
     reports_input_errors,
+    safe_markup,
     trust_config_option,
 )
 
@@ -89,8 +91,8 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
         from .common import stdout  # rich: for the tree only, not for --format json
 
         stdout.print(record_tree(image, found.digest, found.key, record, verified=not problems))
-    for problem in problems:
-        click.echo(f"{image}: {'refused' if not found.unreachable else 'unreachable'}: {problem}", err=True)
+    for problem in problems:  # may quote an unverified attestation (its predicateType) or a registry
+        echo(f"{image}: {'refused' if not found.unreachable else 'unreachable'}: {problem}", err=True)
     if found.unreachable:
         sys.exit(EXIT_ENVIRONMENT)
     if problems:
@@ -98,47 +100,50 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
 
 
 def record_tree(image: str, digest: str | None, key: str | None, record: dict[str, Any], *, verified: bool) -> Tree:
-    """The record for people: one branch per part, values as recorded."""
+    """The record for people: one branch per part, values as recorded (escaped: they come from the registry)."""
     from rich.tree import Tree
 
-    state = f"[green]verified[/] (signed by {key})" if verified else "[red]NOT verified[/]"
-    tree = Tree(f"[bold]{image}[/]  {digest}  {state}")
+    def s(value: object) -> str:
+        return safe_markup(value)
+
+    state = f"[green]verified[/] (signed by {s(key)})" if verified else "[red]NOT verified[/]"
+    tree = Tree(f"[bold]{s(image)}[/]  {s(digest)}  {state}")
     cell = record["matrix_cell"]
-    variant = tree.add(f"variant [bold]{record['variant']}[/]")
-    variant.add(", ".join(f"{axis} {cell.get(axis)}" for axis in ("os", "device", "cuda", "cudnn", "python", "paddle")))
+    variant = tree.add(f"variant [bold]{s(record['variant'])}[/]")
+    variant.add(s(", ".join(f"{axis} {cell.get(axis)}" for axis in ("os", "device", "cuda", "cudnn", "python", "paddle"))))
     matrix = record["matrix"]
-    variant.add(f"matrix {matrix.get('path')}  {matrix.get('sha256') or '(sha256 not recorded)'}")
+    variant.add(s(f"matrix {matrix.get('path')}  {matrix.get('sha256') or '(sha256 not recorded)'}"))
     build = tree.add("build")
-    build.add(f"base {record['base']['image']}@{record['base']['digest']}")
-    build.add(f"source {record['source']['uri'] or ''} revision {record['source']['revision'] or 'unknown'}")
+    build.add(s(f"base {record['base']['image']}@{record['base']['digest']}"))
+    build.add(s(f"source {record['source']['uri'] or ''} revision {record['source']['revision'] or 'unknown'}"))
     layers = build.add(f"layers ({len(record['layers'])})")
     for layer in record["layers"]:
-        layers.add(f"{layer['kind']:8} key {str(layer['key'])[:16]}  {layer['digest']}")
+        layers.add(s(f"{layer['kind']:8} key {str(layer['key'])[:16]}  {layer['digest']}"))
     run = record["build_run"]
-    build.add(f"builder {record['builder']}  run {run['id']}  {run['started']} .. {run['finished'] or '?'}")
+    build.add(s(f"builder {record['builder']}  run {run['id']}  {run['started']} .. {run['finished'] or '?'}"))
     smoke = record.get("smoke") or {}
     counts = smoke.get("counts") or {}
-    tree.add(f"smoke {smoke.get('status')}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-             + (f"  tiers {', '.join(smoke.get('tiers') or [])}" if smoke.get("tiers") else ""))
+    tree.add(s(f"smoke {smoke.get('status')}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+               + (f"  tiers {', '.join(smoke.get('tiers') or [])}" if smoke.get("tiers") else "")))
     scan = record.get("scan") or {}
     scanner, db = scan.get("scanner") or {}, scan.get("db") or {}
-    tree.add(f"scan {scanner.get('uri')} {scanner.get('version')}  DB {db.get('version')} ({db.get('uri')})"
-             f"  at {scan.get('started')}")
+    tree.add(s(f"scan {scanner.get('uri')} {scanner.get('version')}  DB {db.get('version')} ({db.get('uri')})"
+               f"  at {scan.get('started')}"))
     gate = record.get("gate") or {}
     policy = gate.get("policy") or {}
-    gate_node = tree.add(f"gate {gate.get('decision')}  policy {policy.get('file')} "
-                         f"(severity {policy.get('severity')})  on {gate.get('evaluated_on')}")
+    gate_node = tree.add(s(f"gate {gate.get('decision')}  policy {policy.get('file')} "
+                           f"(severity {policy.get('severity')})  on {gate.get('evaluated_on')}"))
     for exception in gate.get("exceptions_applied") or []:
-        gate_node.add(f"excepted {exception.get('id')} in {exception.get('package')} until {exception.get('expires')}"
-                      f" by {exception.get('owner')}: {exception.get('reason')}")
+        gate_node.add(s(f"excepted {exception.get('id')} in {exception.get('package')} until {exception.get('expires')}"
+                        f" by {exception.get('owner')}: {exception.get('reason')}"))
     for blocked in gate.get("blocking") or []:
-        gate_node.add(f"[red]blocking[/] {blocked.get('id')} in {blocked.get('package')} ({blocked.get('severity')})")
+        gate_node.add(f"[red]blocking[/] {s(blocked.get('id'))} in {s(blocked.get('package'))} ({s(blocked.get('severity'))})")
     signature = record.get("signature") or {}
-    sig = tree.add(f"signature layout {signature.get('layout')}  cosign {signature.get('cosign')}  "
-                   f"key {signature.get('key') or 'keyless'}  tlog {signature.get('tlog')}")
-    sig.add(f"signatures {signature.get('signature')}")
-    sig.add(f"attestations {signature.get('attestations')}")
+    sig = tree.add(s(f"signature layout {signature.get('layout')}  cosign {signature.get('cosign')}  "
+                     f"key {signature.get('key') or 'keyless'}  tlog {signature.get('tlog')}"))
+    sig.add(s(f"signatures {signature.get('signature')}"))
+    sig.add(s(f"attestations {signature.get('attestations')}"))
     tags = tree.add("tags")
     for tag in record.get("tags") or []:
-        tags.add(str(tag))
+        tags.add(s(tag))
     return tree

@@ -21,12 +21,14 @@ from .common import (
     EXIT_FAILED,
     _revision,
     dockerfiles_dir,
+    echo,
     format_option,
     matrix_option,
     only_option,
     registry_option,
     reports_input_errors,
     revision_option,
+    safe_markup,
     stdout,
 )
 
@@ -111,11 +113,11 @@ def print_fanout(matrix: Matrix, selection: Selection, where: str, rev: str, cre
 
 
 def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) -> None:
-    table = Table(title=f"{the_plan.cache_ref}: layers for {len(report.variants)} variant(s)")
+    table = Table(title=f"{safe_markup(the_plan.cache_ref)}: layers for {len(report.variants)} variant(s)")
     for column in ("layer", "key", "status"):
         table.add_column(column)
     for rec in report.layers:
-        table.add_row(rec.path, rec.key[:12], rec.status)
+        table.add_row(safe_markup(rec.path), safe_markup(rec.key[:12]), safe_markup(rec.status))
     stdout.print(table)
     to_build = sum(r.status == "to-build" for r in report.layers)
     reused = sum(r.status == "reused" for r in report.layers)
@@ -124,7 +126,8 @@ def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) 
 
 def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> None:
     shared = the_plan.shared_keys()
-    table = Table(title=f"{the_plan.matrix_file}: {len(the_plan.variants)} variants -> {the_plan.repository_ref}")
+    table = Table(title=f"{safe_markup(the_plan.matrix_file)}: {len(the_plan.variants)} variants -> "
+                        f"{safe_markup(the_plan.repository_ref)}")
     table.add_column("variant")
     table.add_column("tags")
     table.add_column("layers (root first; * shared)")
@@ -134,7 +137,7 @@ def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> Non
         chain = " > ".join(
             f"{the_plan.layers[k].kind}{'*' if k in shared else ''}:{k[:8]}" for k in v.chain
         )
-        table.add_row(v.id, "\n".join(v.tags), chain)
+        table.add_row(safe_markup(v.id), "\n".join(safe_markup(t) for t in v.tags), safe_markup(chain))
     stdout.print(table)
     stdout.print(f"{len(the_plan.layers)} distinct layers for {the_plan.chain_length_total()} layer uses; "
                  f"{len(shared)} shared.")
@@ -142,7 +145,7 @@ def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> Non
                        if layer.root is not None and not layer.root.digest})
     if floating:
         stdout.print(f"keys are provisional until `plan --registry` resolves these unpinned bases: "
-                     f"{', '.join(floating)}")
+                     f"{', '.join(floating)}", markup=False)
 
 
 @click.command()
@@ -169,23 +172,23 @@ def render(matrix_path: Path, out: Path | None, check: bool, output_format: str)
         if output_format == "json":
             click.echo(json.dumps({"root": str(root), "drift": [{"path": d.path, "reason": d.reason} for d in drift]}))
         elif drift:
-            click.echo(f"{root}: {len(drift)} file(s) differ from the matrix and templates:", err=True)
-            for d in drift:
-                click.echo(f"  {d}", err=True)
+            echo(f"{root}: {len(drift)} file(s) differ from the matrix and templates:", err=True)
+            for d in drift:  # names of files found on disk: anything at all
+                echo(f"  {d}", err=True)
             if any(d.reason == "foreign" for d in drift):
                 click.echo("foreign files were not written by imagebuild: move them out; render will not "
                            "replace or remove them", err=True)
             click.echo("run `imagebuild render` and commit the result", err=True)
         else:
-            click.echo(f"{root}: {len(files)} files up to date")
+            echo(f"{root}: {len(files)} files up to date")
         sys.exit(EXIT_FAILED if drift else 0)
     changed = write_tree(root, files)
     if output_format == "json":
         click.echo(json.dumps({"root": str(root), "files": len(files), "changed": changed}))
         return
     for line in changed:
-        click.echo(f"  {line}")
-    click.echo(f"{root}: {len(files)} files, {len(changed)} changed")
+        echo(f"  {line}")
+    echo(f"{root}: {len(files)} files, {len(changed)} changed")
 
 
 
@@ -199,7 +202,7 @@ def validate(matrix_path: Path, output_format: str) -> None:
     if output_format == "json":
         click.echo(json.dumps({"matrix": str(matrix_path), "valid": True, "variants": len(the_plan.variants)}))
     else:
-        click.echo(f"{matrix_path}: valid, {len(the_plan.variants)} variants")
+        echo(f"{matrix_path}: valid, {len(the_plan.variants)} variants")
 
 
 @click.command()

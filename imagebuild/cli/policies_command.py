@@ -12,7 +12,7 @@ import click
 from .. import policies as policy_files
 from ..source import InputError
 from ..trust import load_trust_config
-from .common import EXIT_FAILED, format_option, reports_input_errors
+from .common import EXIT_FAILED, echo, format_option, reports_input_errors
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,12 @@ def generate(config_path: Path, out: Path | None, ca_bundle: Path | None, check:
             click.echo(json.dumps({"config": str(config_path), "out": str(root),
                                    "drift": [{"path": str(root / c.path), "reason": c.reason} for c in drift]}))
         elif drift:
-            click.echo(f"{root}: {len(drift)} file(s) differ from {config_path}:", err=True)
+            echo(f"{root}: {len(drift)} file(s) differ from {config_path}:", err=True)
             for c in drift:
-                click.echo(f"  {c}", err=True)
-            click.echo(f"run `imagebuild policies generate --config {config_path}` and commit the result", err=True)
+                echo(f"  {c}", err=True)  # file names read from disk
+            echo(f"run `imagebuild policies generate --config {config_path}` and commit the result", err=True)
         else:
-            click.echo(f"{root}: {len(files)} files up to date")
+            echo(f"{root}: {len(files)} files up to date")
         sys.exit(EXIT_FAILED if drift else 0)
     write(root, files, changes)
     if output_format == "json":
@@ -138,5 +138,5 @@ def generate(config_path: Path, out: Path | None, ca_bundle: Path | None, check:
             {"path": str(root / c.path), "status": c.reason} for c in changes]}, indent=2))
         return
     for c in drift:
-        click.echo(f"  {c}")
-    click.echo(f"{root}: {len(files)} files, {len(drift)} changed")
+        echo(f"  {c}")
+    echo(f"{root}: {len(files)} files, {len(drift)} changed")

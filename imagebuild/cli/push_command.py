@@ -16,10 +16,12 @@ from ..source import InputError
 from .common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_FAILED,
+    echo,
     format_option,
     only_option,
     report_at,
     reports_input_errors,
+    safe_cells,
     trust_config_option,
     workdir_option,
 )
@@ -53,7 +55,7 @@ def checked_repository(option: str, text: str) -> str:
 
 
 def progress(message: str) -> None:
-    click.echo(message, err=True)
+    echo(message, err=True)
 
 
 @click.command("push")
@@ -181,12 +183,12 @@ def print_push(outcomes: list[PushOutcome]) -> None:
         ok = o.action in ("pushed", "unchanged")
         audit = (f"passed ({(r.audit or {}).get('key')}; {len((r.audit or {}).get('attestations') or [])} attestations)"
                  if ok else (r.reason or ""))
-        table.add_row(o.variant, o.action, (r.digest or "")[:19], ", ".join(r.tags) if ok else "-",
-                      _size(r.bytes_uploaded) if ok else "-", str(r.blobs_reused) if ok else "-", audit)
-        if r.harbor:
+        table.add_row(*safe_cells(o.variant, o.action, (r.digest or "")[:19], ", ".join(r.tags) if ok else "-",
+                                  _size(r.bytes_uploaded) if ok else "-", str(r.blobs_reused) if ok else "-", audit))
+        if r.harbor:  # what Harbor says
             h = r.harbor
-            table.add_row("", "harbor scan", "", h.get("status") or "", "", "",
-                          f"severity {h.get('severity') or '-'}, total {h.get('total', 0)}")
+            table.add_row(*safe_cells("", "harbor scan", "", h.get("status") or "", "", "",
+                                      f"severity {h.get('severity') or '-'}, total {h.get('total', 0)}"))
     stdout.print(table)
     counts = {a: sum(o.action == a for o in outcomes) for a in ("pushed", "unchanged", "refused", "failed")}
     stdout.print(f"{counts['pushed']} pushed, {counts['unchanged']} already there, {counts['refused']} refused, "
@@ -269,18 +271,18 @@ def promote_command(source: str, target: str, tags: tuple[str, ...], trust_path:
 
 def print_promote(o: PromoteOutcome) -> None:
     if o.action not in ("pushed", "unchanged"):
-        click.echo(f"{o.source}: {o.action}: {o.reason}", err=True)
+        echo(f"{o.source}: {o.action}: {o.reason}", err=True)
         return
     moved = o.moved()
-    click.echo(f"{o.source} -> {o.target}@{o.digest}: {o.action}")
-    click.echo(f"  moved: {moved['bytes_uploaded']} bytes uploaded in {moved['blobs_uploaded']} blobs; "
-               f"{moved['blobs_present']} blobs already present, {moved['blobs_mounted']} mounted")
+    echo(f"{o.source} -> {o.target}@{o.digest}: {o.action}")
+    echo(f"  moved: {moved['bytes_uploaded']} bytes uploaded in {moved['blobs_uploaded']} blobs; "
+         f"{moved['blobs_present']} blobs already present, {moved['blobs_mounted']} mounted")
     if o.stats and o.stats.signature_tags:
-        click.echo(f"  signatures: {', '.join(o.stats.signature_tags)}")
+        echo(f"  signatures: {', '.join(o.stats.signature_tags)}")
     if o.audit:
-        click.echo(f"  audit: passed (signed by {o.audit.key}; attestations: "
-                   f"{', '.join(o.audit.attestations) or 'none'})")
-    click.echo(f"  tags: {', '.join(o.tags) or '(none; by digest)'}"
-               + (f" (written: {', '.join(o.tags_written)})" if o.tags_written else ""))
+        echo(f"  audit: passed (signed by {o.audit.key}; attestations: "
+             f"{', '.join(o.audit.attestations) or 'none'})")
+    echo(f"  tags: {', '.join(o.tags) or '(none; by digest)'}"
+         + (f" (written: {', '.join(o.tags_written)})" if o.tags_written else ""))
     for move in o.tags_moved:
-        click.echo(f"  moved tag {move['tag']}: {move['from']} -> {move['to']} ({move['reason']})")
+        echo(f"  moved tag {move['tag']}: {move['from']} -> {move['to']} ({move['reason']})")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .. import scan as scanning
 from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, format_option, reports_input_errors, stdout
+from .common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors, safe_cells, stdout
 from .rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
 
 
@@ -59,7 +59,7 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
                                    db_repository=db_repository)
     unreachable: dict[str, str] = {}
     results = quarantine.rescan(config, policy_path, options, out.resolve(),
-                                on_event=lambda line: click.echo(line, err=True), unreachable=unreachable)
+                                on_event=lambda line: echo(line, err=True), unreachable=unreachable)
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):
             quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
@@ -71,13 +71,13 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     else:
         for r in results:
             what = ", ".join(f"{b['id']} {b['package']} {b['installed']}" for b in r.blocking[:4]) or r.error or ""
-            click.echo(f"{r.status.upper() if r.fails else r.status:18} {r.image}  {', '.join(r.tags)}"
-                       + (f"  {what}" if what else ""))
+            echo(f"{r.status.upper() if r.fails else r.status:18} {r.image}  {', '.join(r.tags)}"
+                 + (f"  {what}" if what else ""))
         failing = sum(r.fails for r in results)
-        click.echo(f"{len(results)} image(s) behind the channel tags; {failing} failing"
-                   + (" (quarantined: `imagebuild rollout start` refuses them)" if failing else ""))
+        echo(f"{len(results)} image(s) behind the channel tags; {failing} failing"
+             + (" (quarantined: `imagebuild rollout start` refuses them)" if failing else ""))
         for region, why in unreachable.items():
-            click.echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
+            echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
     if any(r.fails for r in results):
         sys.exit(EXIT_FAILED)
     if unreachable:
@@ -145,7 +145,7 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
     if output_format == "json":
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(f"{result['action']}: {digest}")
+        echo(f"{result['action']}: {digest}")
 
 
 def _digest(image: str) -> str:
@@ -177,8 +177,8 @@ def print_marks(marks: list[dict]) -> None:
     for column in ("digest", "since", "source", "reason", "images"):
         table.add_column(column, overflow="fold")
     for m in marks:
-        table.add_row(m.get("digest", ""), m.get("since", ""), m.get("source", ""), m.get("reason", ""),
-                      ", ".join(m.get("images") or []))
+        table.add_row(*safe_cells(m.get("digest", ""), m.get("since", ""), m.get("source", ""), m.get("reason", ""),
+                                  ", ".join(m.get("images") or [])))
     stdout.print(table)
 
 

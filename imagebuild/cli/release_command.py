@@ -16,12 +16,16 @@ from ..source import InputError
 from .common import (
     EXIT_FAILED,
     _revision,
+    echo,
     format_option,
     matrix_option,
     only_option,
     report_at,
     reports_input_errors,
     revision_option,
+    safe,
+    safe_markup,
+    secret_lane_options,
     stdout,
 )
 
@@ -42,6 +46,7 @@ _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
               help="Rendered Dockerfiles (default: dockerfiles/ beside the matrix).")
 @click.option("--secret", "secret_overrides", multiple=True, metavar="ID=PATH",
               help="Take a declared build secret from this file instead.")
+@secret_lane_options
 @revision_option
 @click.option("--tier", type=click.Choice(["all", "abi", "gpu"]), default="all", show_default=True,
               help="Smoke test tier (gpu runs on GPU hosts; skipped with its reason elsewhere).")
@@ -62,7 +67,8 @@ _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
 @format_option("table", "json")
 @reports_input_errors
 def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | None, jobs: int, workdir: Path,
-                    dockerfiles: Path | None, secret_overrides: tuple[str, ...], revision: str | None, tier: str,
+                    dockerfiles: Path | None, secret_overrides: tuple[str, ...], secret_dirs: tuple[str, ...],
+                    secret_env: tuple[str, ...], revision: str | None, tier: str,
                     policy_path: Path, cache_dir: Path, offline: bool, db_repository: str | None, key: str,
                     push_to: str | None, trust_path: Path | None, output_format: str) -> None:
     """Build, smoke-test, scan, gate, sign and push each variant: the whole chain in one command.
@@ -101,6 +107,10 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     matrix = with_registry(load_matrix(matrix_path), registry)
+    from .. import build as building
+
+    lane = building.SecretLane.from_settings(secret_dirs, secret_env)
+    building.check_secret_lane(matrix, lane, building.parse_secret_overrides(secret_overrides))
     parse_policy(load_document(policy_path))  # bad policy: exit 2 before anything is built
     sign_options = signing_options(key, False, None, None, None, None, None, None, False, (), 300)
     trust = None
@@ -116,9 +126,10 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
                              push_to=push_to)
     scan_options = scanning.ScanOptions(workdir=workdir, dockerfiles=dockerfiles, cache_dir=cache_dir,
                                         offline=offline, db_repository=db_repository)
-    run = ReleaseRun(options, scan_options, sign_options, trust, on_event=lambda line: click.echo(line, err=True))
+    run = ReleaseRun(options, scan_options, sign_options, trust, on_event=lambda line: echo(line, err=True))
     report_at(workdir / "build-report.json")
-    run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
+    with building.secret_lane(lane):  # release_run's build stage reads the secrets within this lane
+        run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
     summary = run.summary()
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
@@ -140,14 +151,15 @@ def print_release(summary: dict) -> None:
         cells = []
         for name in STAGES:
             cell = v["stages"].get(name) or {"outcome": "not reached", "result": "-"}
-            cells.append(f"[{_STYLE.get(cell['outcome'], '')}]{cell['result']}[/]")
-        table.add_row(v["id"], *cells, v["status"] if v["status"] == "released" else f"failed at {v['failed_stage']}")
+            cells.append(f"[{_STYLE.get(cell['outcome'], '')}]{safe_markup(cell['result'])}[/]")
+        table.add_row(safe_markup(v["id"]), *cells,
+                      safe_markup(v["status"] if v["status"] == "released" else f"failed at {v['failed_stage']}"))
     stdout.print(table)
     for v in summary["variants"]:
         for name in STAGES:
             cell = v["stages"].get(name)
             if cell and cell["outcome"] == "failed":
-                stdout.print(f"{v['id']}: {name} failed: {cell['detail']}", markup=False)
+                stdout.print(safe(f"{v['id']}: {name} failed: {cell['detail']}"), markup=False)
     work = summary["work"]
     if summary["nothing_new"]:
         pushed = any(v["stages"].get("push", {}).get("outcome") == "reused" for v in summary["variants"])
@@ -158,5 +170,5 @@ def print_release(summary: dict) -> None:
                      f"{work['scans']} scans, {work['gate_runs']} gate verdicts, {work['signed']} signed, "
                      f"{work['pushed']} pushed")
     released = sum(v["status"] == "released" for v in summary["variants"])
-    stdout.print(f"{released} of {len(summary['variants'])} variant(s) released in {summary['duration_s']} s; "
-                 f"report: {summary['report']}", markup=False)
+    stdout.print(safe(f"{released} of {len(summary['variants'])} variant(s) released in {summary['duration_s']} s; "
+                      f"report: {summary['report']}"), markup=False)

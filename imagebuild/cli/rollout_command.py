@@ -234,10 +234,13 @@ def status_command(rollout_id: str | None, release_path: Path, output_format: st
 
 
 def _print_status(data: dict[str, Any]) -> None:
-    from ..rollout import short
+    """The table; free text of the record (reason, source, gate details) came from the state repository,
+    so its control characters are escaped before they reach a terminal."""
+    from ..rollout import short, shown
 
-    click.echo(f"rollout {data['id']}: {data['status']}" + (f" ({data['reason']})" if data.get("reason") else ""))
-    click.echo(f"  image {data['source']}  channels {', '.join(data['channels'])}  "
+    reason = f" ({shown(data['reason'], 2000)})" if data.get("reason") else ""
+    click.echo(f"rollout {data['id']}: {data['status']}{reason}")
+    click.echo(f"  image {shown(data['source'], 300)}  channels {', '.join(data['channels'])}  "
                f"step {data['next_step']}/{data['steps']}")
     click.echo(f"  {'WAVE':<12} {'REGION':<12} {'TAG':<24} {'CURRENT':<14} {'PREVIOUS':<14} STATE")
     for row in data["tags"]:
@@ -250,5 +253,6 @@ def _print_status(data: dict[str, Any]) -> None:
                    f"{row['wave_state']}{marker}")
     for wave, state in data["waves"].items():
         for gate in state.get("gates") or []:
-            click.echo(f"  gate {wave}/{gate['gate']}@{gate['region']}: {gate['outcome']}: {gate['detail']}")
+            click.echo(f"  gate {wave}/{shown(gate.get('gate'))}@{shown(gate.get('region'))}: "
+                       f"{shown(gate.get('outcome'))}: {shown(gate.get('detail'), 500)}")
     click.echo("  (* = at this rollout's digest)")

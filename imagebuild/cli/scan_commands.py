@@ -13,7 +13,7 @@ from .. import scan as scanning
 from ..gate_run import run_gate
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors, workdir_option
+from .common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors, workdir_option
 
 
 @click.command()
@@ -62,11 +62,11 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
 
     def progress(event: str, variant: reporting.VariantRecord, record: dict) -> None:
         if event == "start":
-            click.echo(f"scanning {variant.id} ({variant.image})", err=True)
+            echo(f"scanning {variant.id} ({variant.image})", err=True)
         else:
             error = f": {record['error']}" if record.get("error") else ""
-            click.echo(f"  {record['status']} in {record.get('duration_s')} s{_layers_note(record.get('layers'))}"
-                       f"{error}", err=True)
+            echo(f"  {record['status']} in {record.get('duration_s')} s{_layers_note(record.get('layers'))}"
+                 f"{error}", err=True)
 
     run = scanning.ScanRun(report, report_path, options, trivy, on_event=progress)
     report_at(report_path)
@@ -95,13 +95,13 @@ def print_scan_summary(summary: dict, workdir: Path) -> None:
         found = (f"vulnerabilities C{vulns.get('CRITICAL', 0)} H{vulns.get('HIGH', 0)} M{vulns.get('MEDIUM', 0)} "
                  f"L{vulns.get('LOW', 0)}, secrets {c.get('secrets', 0)}, Dockerfile checks failed "
                  f"{sum(misconf.values())}") if c else (row.get("error") or "")
-        click.echo(f"  {row['status']:8} {row['id']}  {found}{_layers_note(row.get('layers'))}")
+        echo(f"  {row['status']:8} {row['id']}  {found}{_layers_note(row.get('layers'))}")
     layers = summary["layers"]
-    click.echo(f"layers: {layers['reused']} of {layers['total']} reused from Trivy's cache, {layers['analysed']} "
-               f"analysed ({summary['cache_dir']})")
+    echo(f"layers: {layers['reused']} of {layers['total']} reused from Trivy's cache, {layers['analysed']} "
+         f"analysed ({summary['cache_dir']})")
     db = summary["db"]
-    click.echo(f"vulnerability DB: updated {db['updated_at']} ({db['source']}); reports: {workdir / 'scan'}; "
-               f"{summary['duration_s']} s")
+    echo(f"vulnerability DB: updated {db['updated_at']} ({db['source']}); reports: {workdir / 'scan'}; "
+         f"{summary['duration_s']} s")
 
 
 @click.command("gate")
@@ -139,7 +139,7 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
 
 def print_gate(result: gating.GateResult) -> None:
     for image in result.images:
-        click.echo(f"{'PASSED ' if image.passed else 'BLOCKED'}  {image.variant}  {image.image}")
+        echo(f"{'PASSED ' if image.passed else 'BLOCKED'}  {image.variant}  {image.image}")
         rows = []
         for d in image.blocking + image.excepted:
             f = d.finding
@@ -148,16 +148,16 @@ def print_gate(result: gating.GateResult) -> None:
             rows.append(["blocks" if d.verdict == gating.BLOCKED else "excepted", f.id, f.severity, what, fixed, d.why])
         widths = [max((len(r[i]) for r in rows), default=0) for i in range(5)]
         for r in rows:
-            click.echo("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:5])) + f"  {r[5]}")
+            echo("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:5])) + f"  {r[5]}")
         for problem in image.problems:
-            click.echo(f"  problem  {problem}")
+            echo(f"  problem  {problem}")
         for warning in image.warnings:
-            click.echo(f"  warning  {warning}")
+            echo(f"  warning  {warning}")
         counts = image.counts()
-        click.echo(f"  {counts[gating.BLOCKED]} blocking, {counts[gating.EXCEPTED]} excepted, "
-                   f"{counts[gating.IGNORED_UNFIXED]} ignored (no fix yet), "
-                   f"{counts[gating.BELOW_THRESHOLD]} below the threshold")
+        echo(f"  {counts[gating.BLOCKED]} blocking, {counts[gating.EXCEPTED]} excepted, "
+             f"{counts[gating.IGNORED_UNFIXED]} ignored (no fix yet), "
+             f"{counts[gating.BELOW_THRESHOLD]} below the threshold")
     blocked = sum(not image.passed for image in result.images)
     verdict = "passed" if result.passed else f"failed: {blocked} of {len(result.images)} image(s) blocked"
-    click.echo(f"gate {verdict} (policy {result.policy.file}: severity {result.policy.severity}, ignore_unfixed "
-               f"{'on' if result.policy.ignore_unfixed else 'off'}{', strict' if result.strict else ''})")
+    echo(f"gate {verdict} (policy {result.policy.file}: severity {result.policy.severity}, ignore_unfixed "
+         f"{'on' if result.policy.ignore_unfixed else 'off'}{', strict' if result.strict else ''})")

@@ -12,7 +12,17 @@ from rich.table import Table
 from .. import sign as signing
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors, stdout, workdir_option
+from .common import (
+    EXIT_FAILED,
+    echo,
+    format_option,
+    only_option,
+    report_at,
+    reports_input_errors,
+    safe_cells,
+    stdout,
+    workdir_option,
+)
 
 
 @click.command("sign")
@@ -70,7 +80,7 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     cosign = signing.Cosign.find()
 
     def progress(event: str, variant, message: str) -> None:
-        click.echo(f"signing {variant.id} ({message})" if event == "start" else f"  {message}", err=True)
+        echo(f"signing {variant.id} ({message})" if event == "start" else f"  {message}", err=True)
 
     report_at(report_path)
     outcomes = signing.SignRun(report_path, options, cosign, on_event=progress).run(variants)
@@ -121,9 +131,9 @@ def print_outcomes(outcomes: list[signing.SignOutcome]) -> None:
     for o in outcomes:
         signed = o.action in ("signed", "skipped")
         result = "signed (signature reused)" if o.action == "signed" and o.record.signature_reused else o.action
-        table.add_row(o.variant, {"skipped": "already signed"}.get(o.action, result), (o.digest or "")[:19],
-                      str(len(o.record.attestations)) if signed else "-",
-                      (o.record.signature if signed else o.record.reason) or "")
+        table.add_row(*safe_cells(o.variant, {"skipped": "already signed"}.get(o.action, result), (o.digest or "")[:19],
+                                  str(len(o.record.attestations)) if signed else "-",
+                                  (o.record.signature if signed else o.record.reason) or ""))
     stdout.print(table)
     counts = {a: sum(o.action == a for o in outcomes) for a in ("signed", "skipped", "refused", "failed")}
     stdout.print(f"{counts['signed']} signed, {counts['skipped']} already signed, {counts['refused']} refused, "

@@ -12,7 +12,7 @@ import click
 
 from ..selection import Selection
 from ..source import InputError
-from .common import EXIT_FAILED, format_option, only_option, report_at, reports_input_errors
+from .common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors
 
 
 @click.command("test")
@@ -78,12 +78,12 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
     def make_runner() -> smoke_run.SmokeRunner:  # called once the input checked out
         runner = smoke_run.SmokeRunner(smoke_run.docker_client(), options, out,
                                    harness or smoke_run.ensure_harness(out / ".harness"))
-        click.echo(f"smoke tests: tier {tier}; GPUs: "
-                   f"{'requested for GPU variants' if runner.gpu_host else 'none on this host'}", err=True)
+        echo(f"smoke tests: tier {tier}; GPUs: "
+             f"{'requested for GPU variants' if runner.gpu_host else 'none on this host'}", err=True)
         return runner
 
     def progress(result: Any) -> None:
-        click.echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
+        echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
 
     # An interrupt removes the running container and marks its variant in the report (common.py).
     if images:
@@ -112,17 +112,17 @@ def print_smoke_results(results: list[Any], report_path: Path | None, output_for
         }, indent=2))
         return
     for r in results:
-        click.echo(f"{r.status.upper() if r.status != 'passed' else r.status:8} {r.name}  ({_smoke_counts(r)})")
+        echo(f"{r.status.upper() if r.status != 'passed' else r.status:8} {r.name}  ({_smoke_counts(r)})")
         for failure in r.summary.failures:
-            click.echo(f"    FAILED {failure['test']}: {failure['message']}")
+            echo(f"    FAILED {failure['test']}: {failure['message']}")
         if r.status != "passed" and r.reason and not r.summary.failures:
-            click.echo(f"    {r.reason}")
+            echo(f"    {r.reason}")
         reasons: dict[str, int] = {}
         for skip in r.summary.skip_reasons:
             reasons[skip["reason"]] = reasons.get(skip["reason"], 0) + 1
         for reason, count in reasons.items():
-            click.echo(f"    skipped ({count}): {reason}")
+            echo(f"    skipped ({count}): {reason}")
         if r.junit:
-            click.echo(f"    junit: {r.junit}")
+            echo(f"    junit: {r.junit}")
     passed = sum(r.status == "passed" for r in results)
-    click.echo(f"{passed} of {len(results)} image(s) passed" + (f"; report: {report_path}" if report_path else ""))
+    echo(f"{passed} of {len(results)} image(s) passed" + (f"; report: {report_path}" if report_path else ""))

@@ -13,6 +13,7 @@ from .common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
+    echo,
     format_option,
     reports_input_errors,
     trust_config_option,
@@ -78,13 +79,14 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
         click.echo(json.dumps({"allowed": all(v.allowed for v in verdicts),
                                "images": [v.to_dict() for v in verdicts]}, indent=2))
     else:
+        # Reasons quote registries and attestations (a predicateType, an error body): escaped, whole lines.
         for verdict in verdicts:
             if verdict.allowed:
-                click.echo(f"{verdict.image}: verified: {verdict.digest}: {verdict.reason}")
+                echo(f"{verdict.image}: verified: {verdict.digest}: {verdict.reason}")
             elif verdict.unreachable:
-                click.echo(f"{verdict.image}: {verdict.reason}", err=True)  # "registry unreachable: ..."
+                echo(f"{verdict.image}: {verdict.reason}", err=True)  # "registry unreachable: ..."
             else:
-                click.echo(f"{verdict.image}: refused: {verdict.reason}", err=True)
+                echo(f"{verdict.image}: refused: {verdict.reason}", err=True)
     if any(not v.allowed and not v.unreachable for v in verdicts):
         sys.exit(EXIT_FAILED)
     if any(v.unreachable for v in verdicts):

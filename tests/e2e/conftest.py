@@ -96,7 +96,7 @@ def built_example(engine, staging_registry, tmp_path_factory, secret_canary) -> 
     workdir = tmp_path_factory.mktemp("example-build")
     run = imagebuild("build", "--matrix", str(EXAMPLE), "--workdir", str(workdir), "--jobs", "2",
                      "--secret", f"ca-bundle={secret_canary['bundle']}",
-                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"]})
+                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"], "IMAGEBUILD_SECRET_ENV": "IMAGEBUILD_NETRC"})
     assert run.returncode == 0, f"example build failed:\n{run.stdout}\n{run.stderr[-5000:]}"
     report = json.loads((workdir / "build-report.json").read_text())
     return BuiltExample(workdir, report, run, secret_canary["password"])

@@ -1,12 +1,14 @@
 """Scaffolding for the OCI client's end-to-end tests: real Distribution registries with basic auth,
 token auth or TLS, the token service they trust (a test double, as the brief allows), a test CA,
-and a fault-injecting proxy that sits between the client and a real registry.
+a fault-injecting proxy that sits between the client and a real registry, and small hostile
+servers on loopback that record every request they get.
 """
 from __future__ import annotations
 
 import base64
 import datetime
 import json
+import os
 import re
 import shutil
 import socket
@@ -32,6 +34,7 @@ from cryptography.x509.oid import NameOID
 from .rollout_harness import free_port
 
 DISTRIBUTION = "/usr/bin/docker-registry"
+TOKEN_REALMS_ENV = "IMAGEBUILD_TOKEN_REALMS"
 
 
 # --- certificates ---------------------------------------------------------------------------
@@ -97,8 +100,11 @@ class RunningRegistry:
     host: str  # 127.0.0.1:PORT
     process: subprocess.Popen
     log: Path
+    trusted_realm: str = ""  # the IMAGEBUILD_TOKEN_REALMS entry set for it, removed when it stops
 
     def stop(self) -> None:
+        if self.trusted_realm:
+            _untrust(self.trusted_realm)
         self.process.terminate()
         try:
             self.process.wait(10)
@@ -132,11 +138,32 @@ def start_distribution(directory: Path, auth: dict | None = None, tls: tuple[Pat
             pytest.fail(f"docker-registry exited ({process.returncode}): {log.read_text()[-2000:]}", pytrace=False)
         try:
             httpx.get(f"{scheme}://127.0.0.1:{port}/v2/", verify=False, timeout=2)
-            return RunningRegistry(f"127.0.0.1:{port}", process, log)
+            host = f"127.0.0.1:{port}"
+            return RunningRegistry(host, process, log, _trust_token_service(host, auth))
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
     pytest.fail(f"docker-registry did not answer on port {port}: {log.read_text()[-2000:]}", pytrace=False)
+
+
+def _trust_token_service(registry: str, auth: dict | None) -> str:
+    """A token registry's realm is the test token service on another port, so another host:port,
+    which imagebuild trusts only where named: name it for this process and its children, as an
+    operator sets IMAGEBUILD_TOKEN_REALMS. The entry, for RunningRegistry.stop to remove."""
+    realm = ((auth or {}).get("token") or {}).get("realm")
+    if not realm:
+        return ""
+    entry = f"{registry}={urlsplit(realm).netloc}"
+    os.environ[TOKEN_REALMS_ENV] = f"{os.environ.get(TOKEN_REALMS_ENV, '')} {entry}".strip()
+    return entry
+
+
+def _untrust(entry: str) -> None:
+    left = [e for e in os.environ.get(TOKEN_REALMS_ENV, "").split() if e != entry]
+    if left:
+        os.environ[TOKEN_REALMS_ENV] = " ".join(left)
+    else:
+        os.environ.pop(TOKEN_REALMS_ENV, None)
 
 
 def htpasswd(path: Path, users: dict[str, str]) -> Path:
@@ -202,9 +229,15 @@ class TokenIssuer:
         self.realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    @property
+    def host(self) -> str:
+        """127.0.0.1:PORT: another host:port than any registry, so trusted only where named."""
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
     def registry_auth(self) -> dict:
         return {"token": {"realm": self.realm, "service": self.service, "issuer": self.issuer,
                           "rootcertbundle": str(self.rootcertbundle)}}
+
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -273,7 +306,8 @@ class Fault:
     kinds: "status" (answer `status`, with Retry-After when given); "drop" (read the request,
     close the connection); "forward-drop" (the registry gets and handles the request, the
     client never hears back); "cut" (forward, then close after half the response body); "stall"
-    (forward, then stop sending after half the response body for `stall_s`, then close).
+    (forward, then stop sending after half the response body for `stall_s`, then close);
+    "redirect" (answer 307 to `location`, as a registry sends a blob GET to its storage).
     """
 
     method: str
@@ -284,6 +318,7 @@ class Fault:
     retry_after: str | None = None
     after: int = 0  # let this many matching requests through first
     stall_s: float = 5.0
+    location: str = ""
     served: int = 0
     seen: int = 0
 
@@ -340,6 +375,13 @@ class FlakyProxy:
             handler.send_response(fault.status)
             if fault.retry_after is not None:
                 handler.send_header("Retry-After", fault.retry_after)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        if fault and fault.kind == "redirect":
+            self.log.append((method, path, f"redirected to {fault.location}"))
+            handler.send_response(307)
+            handler.send_header("Location", fault.location)
             handler.send_header("Content-Length", "0")
             handler.end_headers()
             return
@@ -400,6 +442,65 @@ class FlakyProxy:
             handler.connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+# --- hostile servers ------------------------------------------------------------------------
+
+@dataclass
+class Seen:
+    method: str
+    path: str  # with its query
+    authorization: str | None
+
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+class RecordingServer:
+    """A loopback HTTP server that records every request (method, path, Authorization header) and
+    answers from `routes` (exact path without query -> status, headers, body; else `default`).
+    Routes may be changed while it runs: a test sets them after it knows the server's port."""
+
+    def __init__(self, routes: dict[str, Answer] | None = None, default: Answer = (404, {}, b"")):
+        self.routes: dict[str, Answer] = dict(routes or {})
+        self.default = default
+        self.seen: list[Seen] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                server.seen.append(Seen(self.command, self.path, self.headers.get("Authorization")))
+                status, headers, body = server.routes.get(urlsplit(self.path).path, server.default)
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        # A short poll: stop() waits one poll for the loop to end, and tests stop one per test.
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [seen.path for seen in self.seen]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def require_tool(name: str, hint: str) -> str:

@@ -7,6 +7,7 @@ and the client trusts only that CA.
 """
 from __future__ import annotations
 
+import base64
 import datetime
 import ipaddress
 import json
@@ -157,16 +158,16 @@ class Webhook:
     client: httpx.Client
     log_path: Path
 
-    def review(self, document: dict) -> dict:
-        reply = self.post(json.dumps(document).encode())
+    def review(self, document: dict, path: str = "/validate") -> dict:
+        reply = self.post(json.dumps(document).encode(), path=path)
         assert reply.status_code == 200, reply.text
         answer = reply.json()
         assert (answer["apiVersion"], answer["kind"]) == ("admission.k8s.io/v1", "AdmissionReview")
         assert answer["response"]["uid"] == document["request"]["uid"]
         return answer["response"]
 
-    def post(self, body: bytes, **kwargs) -> httpx.Response:
-        return self.client.post(f"{self.url}/validate", content=body,
+    def post(self, body: bytes, path: str = "/validate", **kwargs) -> httpx.Response:
+        return self.client.post(f"{self.url}{path}", content=body,
                                 headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
 
     def decisions(self) -> list[dict]:
@@ -185,15 +186,22 @@ class Webhook:
         return self.process.returncode
 
 
-def trust_file(directory: Path, *, mode: str = "enforce", failure_policy: str = "fail", ttl: int = 60) -> Path:
+def trust_file(directory: Path, *, mode: str = "enforce", failure_policy: str = "fail", ttl: int = 60,
+               quarantine: str | None = None, images: tuple[str, ...] = ()) -> Path:
+    """quarantine: the state repository (registry/repository) holding quarantine marks, read afresh each time."""
     path = directory / f"trust-{uuid.uuid4().hex[:6]}.yaml"
+    globs = "".join(f'  - "{glob}"\n' for glob in (f"{PREFIX}/**", f"{UNREACHABLE}/admission-e2e/**", *images))
+    state = ""
+    if quarantine:
+        registry, repository = quarantine.split("/", 1)
+        state = f"quarantine: {{registry: '{registry}', repository: {repository}, cache_ttl_seconds: 0}}\n"
     path.write_text(
         f"mode: {mode}\n"
         f"keys:\n  - name: imagebuild-local\n    path: {KEYS / 'cosign.pub'}\n"
-        f'images:\n  - "{PREFIX}/**"\n  - "{UNREACHABLE}/admission-e2e/**"\n'
+        f"images:\n{globs}"
         f"require:\n  attestations: []\n"
         f"failure_policy: {failure_policy}\n"
-        f"cache_ttl_seconds: {ttl}\n")
+        f"cache_ttl_seconds: {ttl}\n" + state)
     return path
 
 
@@ -202,12 +210,14 @@ def start_webhook(tls, tmp_path_factory):
     directory = tmp_path_factory.mktemp("admission-webhook")
     started: list[Webhook] = []
 
-    def start(**config) -> Webhook:
+    def start(*flags: str, **config) -> Webhook:
+        """The webhook as `imagebuild admission serve` runs it; flags: more of its options."""
         port = free_port()
         log_path = directory / f"webhook-{port}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),
-             "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--host", "127.0.0.1", "--port", str(port)],
+             "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--host", "127.0.0.1", "--port", str(port),
+             *flags],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
         webhook = Webhook(process, f"https://127.0.0.1:{port}", httpx.Client(verify=ssl.create_default_context(cafile=str(tls.ca)), timeout=30),
                           log_path)
@@ -487,6 +497,177 @@ def test_sigterm_stops_the_server_cleanly(start_webhook, images):
     assert [entry["event"] for entry in log[-2:]] == ["stopping", "stopped"]
 
 
+def test_sigterm_lets_a_request_in_flight_finish_and_answer(start_webhook, images, tls):
+    """The review's headers are in (the server said 100 Continue) and part of its body when SIGTERM comes: the
+    rest still arrives, is judged and answered (Connection: close), and only then does the server exit 0."""
+    hook = start_webhook()
+    body = json.dumps(pod(("app", images.signed))).encode()
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    port = int(hook.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+        conn.sendall(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        assert conn.recv(100).startswith(b"HTTP/1.1 100 ")
+        conn.sendall(body[:40])
+        hook.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while '"stopping"' not in hook.log_path.read_text():
+            assert time.monotonic() < deadline, "the webhook never logged that it is stopping"
+            time.sleep(0.05)
+        assert hook.process.poll() is None, "it exited with a request in flight"
+        conn.sendall(body[40:])
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert b"connection: close" in head.lower()
+    assert json.loads(payload)["response"]["allowed"] is True
+    assert hook.process.wait(timeout=20) == 0
+
+
+# --- the mutating webhook: admitted images pinned to the digest they were verified at ------------------------
+
+
+def with_image_volume(review: dict, name: str, reference: str) -> dict:
+    spec = review["request"]["object"]["spec"]
+    spec["volumes"] = [{"name": "scratch", "emptyDir": {}},
+                       {"name": name, "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}]
+    return review
+
+
+def apply_json_patch(obj: dict, response: dict) -> dict:
+    """RFC 6902 replace operations, applied as the API server would (the path must exist)."""
+    assert response["patchType"] == "JSONPatch", response
+    result = json.loads(json.dumps(obj))
+    for op in json.loads(base64.b64decode(response["patch"])):
+        assert op["op"] == "replace"
+        *parents, last = op["path"].split("/")[1:]
+        target = result
+        for token in parents:
+            target = target[int(token)] if isinstance(target, list) else target[token]
+        key = int(last) if isinstance(target, list) else last
+        assert target[key], op
+        target[key] = op["value"]
+    return result
+
+
+def test_mutate_pins_a_signed_tag_to_its_digest(webhook, registry):
+    repository = unique_repository()
+    signed = registry.push(repository, "v1")
+    registry.sign(signed)
+    digest = signed.split("@", 1)[1]
+    review = with_image_volume(pod(("app", f"{repository}:v1"), init=[("setup", signed)]), "model", f"{repository}:v1")
+    response = webhook.review(review, path="/mutate")
+    assert response["allowed"] is True, response
+    obj = apply_json_patch(review["request"]["object"], response)
+    assert obj["spec"]["containers"][0]["image"] == f"{repository}:v1@{digest}"
+    assert obj["spec"]["initContainers"][0]["image"] == signed  # already by digest: left as it is
+    assert obj["spec"]["volumes"][1]["image"]["reference"] == f"{repository}:v1@{digest}"
+    # What the API server stores now validates, and is what the registry holds under that digest.
+    assert webhook.review(review_of("Pod", obj))["allowed"] is True
+    decision = [d for d in webhook.decisions() if d.get("uid") == review["request"]["uid"]][0]
+    assert (decision["endpoint"], decision["pinned"]) == ("mutate", [f"{repository}:v1@{digest}"] * 2)
+
+
+def test_a_tag_moved_after_admission_cannot_run_unpinned(webhook, registry):
+    repository = unique_repository()
+    signed = registry.push(repository, "release")
+    registry.sign(signed)
+    review = pod(("app", f"{repository}:release"))
+    obj = apply_json_patch(review["request"]["object"], webhook.review(review, path="/mutate"))
+    moved = registry.push(repository, "release")  # the tag now names an unsigned digest
+    assert crane("digest", f"{repository}:release").strip() == moved.split("@", 1)[1]
+    running = obj["spec"]["containers"][0]["image"]
+    assert running == f"{repository}:release@{signed.split('@', 1)[1]}"  # the runtime pulls this digest
+    assert webhook.review(review_of("Pod", obj))["allowed"] is True  # validate re-checks the pinned digest
+    message = denial(webhook.review(pod(("app", f"{repository}:release")), path="/mutate"))
+    assert f'container "app" image {repository}:release: not signed' in message
+
+
+def test_mutate_refuses_a_tag_it_cannot_pin_in_enforce_mode(webhook, images):
+    message = denial(webhook.review(pod(("app", images.moved_tag)), path="/mutate"))
+    assert f'container "app" image {images.moved_tag}: not signed' in message
+
+
+def test_a_signed_container_with_an_unsigned_image_volume_is_refused(webhook, images):
+    review = with_image_volume(pod(("app", images.signed)), "weights", images.unsigned)
+    for path in ("/validate", "/mutate"):
+        message = denial(webhook.review(review, path=path))
+        assert message.startswith(f'imagebuild refused 1 of 2 images: volume "weights" image {images.unsigned}: '
+                                  "not signed"), message
+
+
+def test_a_deployment_s_image_volume_is_checked(webhook, images):
+    review = deployment(("app", images.signed))
+    review["request"]["object"]["spec"]["template"]["spec"]["volumes"] = [
+        {"name": "weights", "image": {"reference": images.other_key}}]
+    message = denial(webhook.review(review))
+    assert f'volume "weights" image {images.other_key}: the signature does not verify' in message
+
+
+# --- quarantine at admission --------------------------------------------------------------------------------
+
+
+def test_a_quarantined_signed_digest_is_refused_with_the_reason_until_the_mark_is_cleared(start_webhook, registry):
+    from imagebuild import quarantine
+    from imagebuild.registry import Registry as Client
+    from imagebuild.rollout import StateStore
+
+    state = f"admission-e2e/state-{uuid.uuid4().hex[:8]}"
+    hook = start_webhook(quarantine=f"{STAGING}/{state}")
+    image = registry.push(unique_repository())
+    registry.sign(image)
+    digest = image.split("@", 1)[1]
+    assert hook.review(pod(("app", image)))["allowed"] is True
+    store = StateStore(Client(STAGING), state)
+    try:
+        quarantine.mark(store, digest, "CVE-2026-0001 in libfoo (rescan)", source="rescan")
+        for path in ("/validate", "/mutate"):
+            message = denial(hook.review(pod(("app", image)), path=path))
+            assert message.startswith(f'imagebuild refused 1 of 1 image: container "app" image {image}: '
+                                      "quarantined since "), message
+            assert message.endswith("(rescan): CVE-2026-0001 in libfoo (rescan)")
+        assert quarantine.clear(store, digest)
+    finally:
+        store.registry.close()
+    assert hook.review(pod(("app", image)))["allowed"] is True
+
+
+def test_a_quarantine_mark_whose_blob_does_not_hash_to_its_descriptor_refuses_the_image(start_webhook, registry):
+    """Blobs of the state repository are hash-checked: a swapped one is not read as a (milder) mark, nor ignored."""
+    from .hostile_registry import HostileRegistry
+
+    hostile = HostileRegistry()
+    try:
+        hook = start_webhook(quarantine=f"127.0.0.1:{hostile.port}/{hostile.STATE}")
+        image = registry.push(unique_repository())
+        registry.sign(image)
+        digest = image.split("@", 1)[1]
+        assert hook.review(pod(("app", image)))["allowed"] is True
+        record = {"schema": 1, "digest": digest, "reason": "CVE-2026-0002", "source": "manual",
+                  "since": "2026-12-01T00:00:00Z"}
+        hostile.mark(digest, record, blob=json.dumps({**record, "reason": "swapped"}).encode())
+        message = denial(hook.review(pod(("app", image))))
+        assert f"its quarantine mark in 127.0.0.1:{hostile.port}/{hostile.STATE} cannot be read (the blob served" \
+               in message and "does not hash to it" in message, message
+        hostile.mark(digest, record)
+        assert denial(hook.review(pod(("app", image)))).endswith(
+            "quarantined since 2026-12-01T00:00:00Z (manual): CVE-2026-0002")
+    finally:
+        hostile.stop()
+
+
+def test_an_unreachable_state_repository_follows_the_failure_policy(start_webhook, images):
+    hook = start_webhook(quarantine=f"{UNREACHABLE}/state")
+    message = denial(hook.review(pod(("app", images.signed))))
+    assert "quarantine marks unreachable" in message
+
+
 # --- imagebuild admission review: the same answer, offline --------------------------------------------------
 
 
@@ -502,6 +683,19 @@ def test_review_judges_one_admission_review_from_a_file_like_the_webhook(imagebu
     assert refused.returncode == 1, refused.stderr
     message = json.loads(refused.stdout)["response"]["status"]["message"]
     assert message.startswith(f'imagebuild refused 1 of 2 images: container "sidecar" image {images.unsigned}: not signed')
+
+
+def test_review_with_mutate_prints_the_patch_the_mutating_webhook_would_send(imagebuild, registry, tmp_path):
+    repository = unique_repository()
+    signed = registry.push(repository, "v2")
+    registry.sign(signed)
+    review = pod(("app", f"{repository}:v2"))
+    path = tmp_path / "review.json"
+    path.write_text(json.dumps(review))
+    run = imagebuild("admission", "review", "--mutate", "--config", trust_file(tmp_path), path)
+    assert run.returncode == 0, run.stderr
+    obj = apply_json_patch(review["request"]["object"], json.loads(run.stdout)["response"])
+    assert obj["spec"]["containers"][0]["image"] == f"{repository}:v2@{signed.split('@', 1)[1]}"
 
 
 def test_review_of_a_body_without_a_uid_is_bad_input_in_one_line(imagebuild, tmp_path):

@@ -66,7 +66,7 @@ def test_the_images_hold_real_paddle(engine, built_example):
 
 def test_building_again_builds_nothing(built_example, tmp_path, secret_canary):
     run = imagebuild("build", "--matrix", str(EXAMPLE), "--workdir", str(tmp_path), "--format", "json",
-                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"]})
+                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"], "IMAGEBUILD_SECRET_ENV": "IMAGEBUILD_NETRC"})
     assert run.returncode == 0, run.stderr
     summary = run.json()["layers"]
     assert summary == {"reused": len(built_example.report["layers"])}
@@ -248,7 +248,7 @@ def test_build_secrets_are_in_no_layer_config_log_or_report(engine, built_exampl
     workdir = tmp_path / "w"
     run = imagebuild("build", "--matrix", str(matrix), "--workdir", str(workdir),
                      "--secret", f"ca-bundle={secret_canary['bundle']}",
-                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"]})
+                     env={"IMAGEBUILD_NETRC": secret_canary["netrc"], "IMAGEBUILD_SECRET_ENV": "IMAGEBUILD_NETRC"})
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((workdir / "build-report.json").read_text())
     fresh_image = next(v["image"] for v in report["variants"] if v["id"] == CPU_VARIANT)

@@ -171,7 +171,8 @@ def test_sigterm_stops_the_build_and_buildkit_keeps_what_finished_and_tags_nothi
 
     # The rerun finishes the job: what was built is reused, the rest is built, then tagged.
     rerun = imagebuild("build", "--matrix", str(matrix), "--workdir", str(workdir),
-                       env={"IMAGEBUILD_NETRC": f"machine rerun.invalid login e2e password {nonce}"})
+                       env={"IMAGEBUILD_NETRC": f"machine rerun.invalid login e2e password {nonce}",
+                            "IMAGEBUILD_SECRET_ENV": "IMAGEBUILD_NETRC"})
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr[-3000:]
     report = json.loads((workdir / "build-report.json").read_text())
     layers = layers_by_name(report)

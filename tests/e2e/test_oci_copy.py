@@ -34,8 +34,10 @@ from imagebuild.registry import (
 
 from .conftest import STAGING, require_registry
 from .oci_servers import (
+    TOKEN_REALMS_ENV,
     Fault,
     FlakyProxy,
+    RecordingServer,
     TestCA,
     TokenIssuer,
     htpasswd,
@@ -101,6 +103,8 @@ def token_service(tmp_path_factory, passwords):
 
 @pytest.fixture(scope="session")
 def token_registry(tmp_path_factory, token_service):
+    # The token service listens on another port, another host:port: start_distribution names it in
+    # IMAGEBUILD_TOKEN_REALMS for this registry, as an operator would.
     registry = start_distribution(tmp_path_factory.mktemp("token-registry"), auth=token_service.registry_auth())
     yield registry.host
     registry.stop()
@@ -271,6 +275,62 @@ def test_check_access_tells_pull_rights_from_push_rights(token_registry, passwor
         with pytest.raises(RegistryAuthError) as raised:
             reader.check_access(repository, push=True)
     assert "check access" in str(raised.value) and raised.value.status == 401
+
+
+# --- credentials stay where they belong -----------------------------------------------------
+
+def test_a_blob_redirected_to_a_host_asking_for_credentials_gets_none_and_the_registry_keeps_working(
+        basic_registry, passwords):
+    repository = _unique("redirect")
+    robot = Credentials(ROBOT, passwords[ROBOT])
+    content = json.dumps({"redirected": uuid.uuid4().hex}).encode()
+    with Registry(basic_registry, credentials=robot) as direct:
+        digest = direct.put_blob(repository, content)
+    # Storage that answers 401 with a bearer realm of its own, on its own host:port. It is even
+    # named as a trusted realm: a redirect's host gets no credentials whatever the allowlist says.
+    storage = RecordingServer()
+    storage.default = (401, {"WWW-Authenticate": f'Bearer realm="http://{storage.host}/token",service="storage"'}, b"")
+    storage.routes["/token"] = (200, {"Content-Type": "application/json"}, b'{"token": "storage-token"}')
+    proxy = FlakyProxy(basic_registry, [Fault("GET", r"/blobs/sha256:", "redirect", location=f"http://{storage.host}/b")])
+    try:
+        with Registry(proxy.host, credentials=robot, token_realms=(storage.host,)) as client:
+            assert client.blob_size(repository, digest) == len(content)  # the registry's basic challenge
+            with pytest.raises(RegistryError) as raised:
+                client.get_blob(repository, digest)
+            assert [seen.authorization for seen in storage.seen] == [None], "no credentials, no token"
+            assert storage.paths() == ["/b"], "followed once, no token request, no retry"
+            assert f"redirect target {storage.host!r} answered HTTP 401" in str(raised.value)
+            assert raised.value.status == 401 and passwords[ROBOT] not in str(raised.value)
+            assert client.auth._challenge is not None and client.auth._challenge.scheme == "basic"
+            assert client.auth.token_requests == 0
+            # The registry itself still works with its own credentials (the redirect was a one-off).
+            assert client.get_blob(repository, digest) == content
+            assert client.blob_size(repository, digest) == len(content)
+        assert [seen.authorization for seen in storage.seen] == [None]
+    finally:
+        proxy.stop()
+        storage.stop()
+
+
+def test_a_token_realm_on_another_host_is_refused_unless_named_and_works_once_named(
+        token_registry, token_service, passwords, monkeypatch):
+    monkeypatch.delenv(TOKEN_REALMS_ENV, raising=False)
+    repository = _unique("realm")
+    robot = Credentials(ROBOT, passwords[ROBOT])
+    before = len(token_service.requests)
+    with Registry(token_registry, credentials=robot) as untrusting, pytest.raises(RegistryAuthError) as raised:
+        untrusting.check_access(repository, push=True)
+    message = str(raised.value)
+    assert f"another host, {token_service.host}" in message and TOKEN_REALMS_ENV in message
+    assert token_registry in message and passwords[ROBOT] not in message and "\n" not in message
+    assert len(token_service.requests) == before, "the unnamed token service heard nothing"
+    with Registry(token_registry, credentials=robot, token_realms=[token_service.host]) as named:
+        named.check_access(repository, push=True)
+    monkeypatch.setenv(TOKEN_REALMS_ENV, f"elsewhere.example.com=x.example.com;{token_registry}={token_service.host}")
+    with Registry(token_registry, credentials=robot) as configured:
+        configured.check_access(repository, push=True)
+    accounts = {request.account for request in token_service.requests[before:]}
+    assert accounts == {ROBOT}, "tokens came once the realm was named, by argument or by the environment"
 
 
 # --- TLS ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from imagebuild.tools import TOOLS_DIR
 from imagebuild.trust import load_trust_config
 
 from .conftest import REPO, imagebuild
+from .oci_servers import RecordingServer
 from .tools import Cosign, KeyPair, push_tiny_image
 
 # The installed evaluator first; the lead's build tree while bootstrap has not installed it yet.
@@ -313,3 +315,98 @@ def test_a_policy_requiring_provenance_admits_only_images_with_imagebuilds_prove
     verifier = Verifier(load_trust_config(config))
     assert {name: verifier.verify(image).allowed for name, image in made.items()} == \
         {name: d.admitted for name, d in tester.items()}
+
+
+# --- every spelling of a covered image (issue 18) -------------------------------------------------
+#
+# The runtime pulls `harbor.example.com:443/p/x`, `docker.io/nginx`, `index.docker.io/library/nginx`
+# and `nginx` from the same place as the trust file's spelling, and the webhook reads them as the
+# same image. The tester must find each one covered (and so verify it) instead of "uncovered by
+# policy". Registries other than loopback are never reached: the tester's HTTPS goes to a proxy of
+# the test's own on loopback that records where it was asked to connect and refuses.
+
+REMOTE_GLOBS = ["harbor.example.com/paddle/**", "docker.io/library/nginx", "docker.io/paddlepaddle/**"]
+ANY_DIGEST = "sha256:" + "5" * 64
+# spelling -> where policy-controller then goes for signatures (the proxy's CONNECT target)
+COVERED_SPELLINGS = {
+    f"harbor.example.com/paddle/gpu@{ANY_DIGEST}": "harbor.example.com:443",
+    f"harbor.example.com:443/paddle/gpu@{ANY_DIGEST}": "harbor.example.com:443",
+    f"nginx@{ANY_DIGEST}": "index.docker.io:443",
+    "nginx:1.27": "index.docker.io:443",
+    f"library/nginx@{ANY_DIGEST}": "index.docker.io:443",
+    f"docker.io/nginx@{ANY_DIGEST}": "index.docker.io:443",
+    f"index.docker.io/library/nginx@{ANY_DIGEST}": "index.docker.io:443",
+    f"registry-1.docker.io/library/nginx@{ANY_DIGEST}": "registry-1.docker.io:443",
+    f"docker.io:443/library/nginx@{ANY_DIGEST}": "docker.io:443",
+    "paddlepaddle/paddle:3.0.0": "index.docker.io:443",
+}
+UNCOVERED_SPELLINGS = [f"harbor.example.com:8443/paddle/gpu@{ANY_DIGEST}", f"nginx2@{ANY_DIGEST}",
+                       f"quay.io/nginx@{ANY_DIGEST}",
+                       # no glob can list another host case: refused as uncovered (no-match-policy deny)
+                       f"Harbor.Example.com/paddle/gpu@{ANY_DIGEST}"]
+
+
+@pytest.fixture(scope="module")
+def refusing_proxy() -> Iterator[RecordingServer]:
+    proxy = RecordingServer(default=(403, {}, b""))
+    handler = proxy.server.RequestHandlerClass
+    handler.do_CONNECT = handler.do_GET  # type: ignore[attr-defined]  # record CONNECT host:port, refuse it
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def remote_policy(our_key: KeyPair, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("spellings")
+    return generate(trust_file(folder, [our_key.public], REMOTE_GLOBS), folder / "admission")
+
+
+def evaluate_via(proxy: RecordingServer, tester: str, policy: Path, image: str) -> tuple[Decision, list[str]]:
+    before = len(proxy.seen)
+    proxied = f"http://{proxy.host}"
+    env = {**os.environ, "HTTPS_PROXY": proxied, "https_proxy": proxied, "HTTP_PROXY": proxied,
+           "http_proxy": proxied, "NO_PROXY": "", "no_proxy": ""}
+    result = subprocess.run([tester, "--policy", str(policy), "--image", image, "--log-level", "info"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert "Policy was successfully validated" in output, output[-3000:]
+    assert result.returncode != 0, output[-3000:]  # nothing behind the proxy can be verified
+    return Decision(False, output), [seen.path for seen in proxy.seen[before:]]
+
+
+@pytest.mark.parametrize("image", sorted(COVERED_SPELLINGS))
+def test_tester_covers_every_spelling_of_a_covered_image(policy_tester: str, remote_policy: Path,
+                                                         refusing_proxy: RecordingServer, image: str) -> None:
+    decision, connects = evaluate_via(refusing_proxy, policy_tester, remote_policy, image)
+    assert "uncovered by policy" not in decision.output, decision.output[-2000:]
+    assert COVERED_SPELLINGS[image] in connects, (connects, decision.output[-2000:])
+    assert all(target in COVERED_SPELLINGS.values() for target in connects)  # only where it belongs
+
+
+@pytest.mark.parametrize("image", UNCOVERED_SPELLINGS)
+def test_tester_refuses_other_repositories_as_uncovered_without_a_request(
+        policy_tester: str, remote_policy: Path, refusing_proxy: RecordingServer, image: str) -> None:
+    decision, connects = evaluate_via(refusing_proxy, policy_tester, remote_policy, image)
+    assert "uncovered by policy" in decision.output and connects == []
+
+
+def test_a_signed_image_spelled_with_its_host_in_other_case_is_never_admitted_unverified(
+        policy_tester: str, staging_registry: str, cosign_cli: Cosign, our_key: KeyPair, images: dict[str, str],
+        tmp_path: Path) -> None:
+    """On loopback, for real: the trust file names localhost:5000; the webhook reads LOCALHOST:5000
+    as the same registry and verifies the signature; policy-controller, which cannot list other
+    cases, refuses it as uncovered. Neither admits it unverified."""
+    from imagebuild.verify import Verifier
+
+    port = staging_registry.rsplit(":", 1)[1]
+    path = images["signed"].split("/", 1)[1]  # <namespace path>/app/signed@sha256:...
+    config = trust_file(tmp_path, [our_key.public], [f"localhost:{port}/{path.split('/app/')[0]}/app/**"])
+    policy = generate(config, tmp_path / "admission")
+    canonical, other_case = f"localhost:{port}/{path}", f"LOCALHOST:{port}/{path}"
+    assert evaluate(policy_tester, policy, canonical).admitted
+    decision = evaluate(policy_tester, policy, other_case)
+    assert not decision.admitted and "uncovered by policy" in decision.output
+    verifier = Verifier(load_trust_config(config), check_attestations=False)
+    assert verifier.verify(canonical).allowed and verifier.verify(other_case).allowed
+    unsigned = f"LOCALHOST:{port}/{images['unsigned'].split('/', 1)[1]}"
+    assert not verifier.verify(unsigned).allowed and not evaluate(policy_tester, policy, unsigned).admitted

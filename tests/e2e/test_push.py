@@ -296,19 +296,19 @@ def test_promoting_what_the_target_already_holds_uploads_no_blob_bytes(release, 
         cpu = cpu_variant(release.report)
         [tag] = cpu["tags"]
         source = f"{release.to}/paddle:{tag}"
-        first = promote(source, f"{proxy.host}/counted/a", tmp_path)
+        first = promote(source, f"{proxy.host}/counted/a/paddle", tmp_path)
         assert first.returncode == 0, first.stderr[-2000:]
         assert first.json()["bytes_uploaded"] == proxy.blob_bytes > 0
 
         # The same image again, under another tag: its manifest and blobs are there.
         before_bytes, before_storage = proxy.blob_bytes, storage_bytes(directory)
-        again = promote(source, f"{proxy.host}/counted/a", tmp_path, "--tag", "again")
+        again = promote(source, f"{proxy.host}/counted/a/paddle", tmp_path, "--tag", "again")
         assert again.returncode == 0, again.stderr[-2000:]
         assert again.json()["bytes_uploaded"] == 0 and again.json()["tags_written"] == ["again"]
         assert proxy.blob_bytes == before_bytes
 
         # To another repository of that registry: mounted, not uploaded.
-        mounted = promote(f"{proxy.host}/counted/a:{tag}", f"{proxy.host}/counted/b", tmp_path)
+        mounted = promote(f"{proxy.host}/counted/a/paddle:{tag}", f"{proxy.host}/counted/b/paddle", tmp_path)
         assert mounted.returncode == 0, mounted.stderr[-2000:]
         moved = mounted.json()
         assert moved["bytes_uploaded"] == 0 and moved["blobs_uploaded"] == 0 and moved["blobs_mounted"] > 0
@@ -317,6 +317,19 @@ def test_promoting_what_the_target_already_holds_uploads_no_blob_bytes(release, 
         assert storage_bytes(directory) - before_storage < 64 * 1024
     finally:
         proxy.stop()
+
+
+def test_promoting_under_another_image_name_writes_no_tag_there(release, private_registry, tmp_path):
+    """The signature names the image it was made for: a copy under another name would not verify
+    there, so the audit refuses it before any tag is written (README: threat model, T2)."""
+    host, _ = private_registry
+    cpu = cpu_variant(release.report)
+    [tag] = cpu["tags"]
+    failed = promote(f"{release.to}/paddle:{tag}", f"{host}/renamed/debug-tools", tmp_path)
+    assert failed.returncode == 1
+    row = failed.json()
+    assert row["tags_written"] == [] and "the signature is for repository" in row["reason"], row
+    assert tag_digest(host, "renamed/debug-tools", tag) is None
 
 
 def test_an_audit_failing_in_the_target_writes_no_tag_and_a_rerun_finishes(release, private_registry, tmp_path):

@@ -5,10 +5,14 @@ import hashlib
 import json
 
 import httpx
+import pytest
 
-from imagebuild.registry import ImageRef, Registry, head_many
+from imagebuild.oci_copy import CopyOptions, copy_image
+from imagebuild.oci_locations import BlobLocations
+from imagebuild.registry import OCI_INDEX, ImageRef, Registry, RegistryError, head_many
 
 from .conftest import STAGING, unique
+from .oci_servers import RecordingServer
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
@@ -63,3 +67,91 @@ def test_image_references_parse_registry_repository_tag_and_digest():
     ref = ImageRef.parse("127.0.0.1:5000/a/b:1.0@sha256:" + "0" * 64)
     assert (ref.registry, ref.repository, ref.tag, ref.digest) == ("127.0.0.1:5000", "a/b", "1.0", "sha256:" + "0" * 64)
     assert ImageRef.parse("harbor.example.com/p/r").reference == "latest"
+
+
+# --- a hostile registry's names never reach another path -----------------------------------
+
+HEX = "ab" * 32
+
+
+def _hostile_image(layer_digest: str) -> tuple[RecordingServer, str, bytes]:
+    """A loopback registry of the test's own serving team/app:v1, whose one layer has `layer_digest`;
+    (server, manifest digest, config)."""
+    config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    layers = [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": 1}] \
+        if layer_digest else []
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST, "layers": layers,
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": config_digest, "size": len(config)}}).encode()
+    digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    found = {"Content-Type": MANIFEST, "Docker-Content-Digest": digest}
+    server = RecordingServer({"/v2/team/app/manifests/v1": (200, found, manifest),
+                              f"/v2/team/app/manifests/{digest}": (200, found, manifest),
+                              f"/v2/team/app/blobs/{config_digest}": (200, {}, config)})
+    return server, digest, config
+
+
+def _target_requests() -> tuple[list[str], dict]:
+    sent: list[str] = []
+    return sent, {"request": [lambda request: sent.append(f"{request.method} {request.url.path}")]}
+
+
+@pytest.mark.parametrize("layer", [f"sha256:../../other/blobs/sha256:{HEX}", f"sha256:/../../../other/blobs/sha256:{HEX}",
+                                   f"sha256:{HEX}?digest=x", "sha256:\x1b[32mverified\x1b[0m"])
+def test_a_layer_digest_outside_the_grammar_stops_the_copy_before_any_blob_is_asked_for(staging_registry, layer):
+    server, digest, _ = _hostile_image(layer)
+    sent, hooks = _target_requests()
+    try:
+        with Registry(server.host) as source, Registry(STAGING, event_hooks=hooks) as target:
+            with pytest.raises(RegistryError) as raised:
+                copy_image(source, "team/app", "v1", target, f"e2e/{unique('hostile')}",
+                           options=CopyOptions(locations=BlobLocations()))
+        assert server.paths() == ["/v2/team/app/manifests/v1", f"/v2/team/app/manifests/{digest}"]
+        assert sent == [], "nothing went to the target either"
+        message = str(raised.value)
+        assert "layer digest" in message and ascii(layer) in message and "\x1b" not in message
+    finally:
+        server.stop()
+
+
+def test_a_referrer_digest_with_a_slash_is_refused_before_it_is_requested(staging_registry):
+    server, digest, _ = _hostile_image("")
+    bad = f"sha256:{HEX}/../../../../other/manifests/latest"
+    index = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [
+        {"mediaType": MANIFEST, "digest": bad, "size": 2, "artifactType": "application/x-test"}]}).encode()
+    server.routes[f"/v2/team/app/referrers/{digest}"] = (200, {"Content-Type": OCI_INDEX}, index)
+    try:
+        with Registry(server.host) as source, Registry(STAGING) as target:
+            with pytest.raises(RegistryError) as raised:
+                copy_image(source, "team/app", "v1", target, f"e2e/{unique('hostile-referrer')}",
+                           options=CopyOptions(signatures=True, locations=BlobLocations()))
+        assert f"/v2/team/app/referrers/{digest}" in server.paths()
+        assert not [path for path in server.paths() if "other" in path or HEX in path], server.paths()
+        assert ascii(bad) in str(raised.value) and "referrer" in str(raised.value)
+    finally:
+        server.stop()
+
+
+def test_tags_digests_and_urls_a_registry_answers_are_checked_before_they_are_used():
+    elsewhere = RecordingServer()
+    server = RecordingServer({
+        "/v2/team/app/tags/list": (200, {"Content-Type": "application/json"}, b'{"tags": ["v1", "../../x"]}'),
+        "/v2/team/app/manifests/v1": (200, {"Docker-Content-Digest": "sha256:../../../other/manifests/x"}, b""),
+        "/v2/team/paged/tags/list": (200, {"Link": f'<http://{elsewhere.host}/v2/team/paged/tags/list?n=1>; rel="next"'},
+                                     b'{"tags": ["v1"]}'),
+        "/v2/team/app/blobs/uploads/": (202, {"Location": f"http://{elsewhere.host}/v2/team/app/blobs/uploads/u"}, b""),
+    })
+    try:
+        with Registry(server.host, credentials=None, username="u", password="p-canary") as registry:
+            for call, said in ((lambda: registry.list_tags("team/app"), "tag '../../x'"),
+                               (lambda: registry.head_manifest("team/app", "v1"), "Docker-Content-Digest"),
+                               (lambda: registry.list_tags("team/paged"), "outside this registry's"),
+                               (lambda: registry.start_upload("team/app"), "outside this registry's")):
+                with pytest.raises(RegistryError) as raised:
+                    call()
+                assert said in str(raised.value) and "p-canary" not in str(raised.value)
+        assert elsewhere.seen == [], "no request followed a URL off the registry"
+    finally:
+        server.stop()
+        elsewhere.stop()

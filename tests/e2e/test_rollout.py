@@ -127,7 +127,8 @@ class Setup:
         from imagebuild.release import load_release
         from imagebuild.rollout import load_record, open_store
 
-        return load_record(open_store(load_release(self.release)), rollout_id)
+        config = load_release(self.release)
+        return load_record(open_store(config), rollout_id, config)
 
     def audit(self) -> list[dict]:
         return [json.loads(line) for line in (self.state_dir / "audit.jsonl").read_text().splitlines()]

@@ -1,0 +1,111 @@
+"""The OCI grammar for what goes into a registry URL (digests, tags, repositories), and loopback hosts.
+
+A registry's answers are untrusted: a descriptor digest `sha256:../../other/blobs/…` or a tag with
+a `/` would, pasted into a path, reach another repository (httpx removes dot segments). Every
+digest, tag and repository is checked here before it becomes part of a URL, and a refusal names
+the value escaped, so a hostile value cannot rewrite the line that reports it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+
+# The one grammar (imagebuild.oci.reference builds references from these pieces).
+# The registered algorithms only (OCI image spec, descriptor.md): anything else is refused.
+DIGEST_HEX = {"sha256": re.compile(r"[a-f0-9]{64}"), "sha512": re.compile(r"[a-f0-9]{128}")}
+_DIGEST = re.compile(r"(?:sha256:[a-f0-9]{64}|sha512:[a-f0-9]{128})")
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component: separators ., _, __, -+
+REPOSITORY = re.compile(rf"{COMPONENT}(?:/{COMPONENT})*")
+_TAG, _REPOSITORY = TAG, REPOSITORY
+_ESCAPED_LIMIT = 200  # characters of a refused value quoted in a message
+
+
+class BadName(ValueError):
+    """A digest, tag or repository outside the OCI grammar (the message quotes it escaped)."""
+
+
+def escaped(value: object) -> str:
+    """The value quoted with every control or non-ASCII character escaped, cut to a readable length."""
+    text = value if isinstance(value, str) else repr(value)
+    shown = ascii(text[:_ESCAPED_LIMIT])
+    return shown + ("…" if len(text) > _ESCAPED_LIMIT else "")
+
+
+def is_digest(value: object) -> bool:
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def is_tag(value: object) -> bool:
+    return isinstance(value, str) and _TAG.fullmatch(value) is not None
+
+
+def is_repository(value: object) -> bool:
+    return isinstance(value, str) and _REPOSITORY.fullmatch(value) is not None
+
+
+def check_digest(value: object, what: str = "digest") -> str:
+    if not is_digest(value):
+        raise BadName(f"{what} {escaped(value)} is not a digest (sha256:<64 hex> or sha512:<128 hex>)")
+    assert isinstance(value, str)
+    return value
+
+
+def check_tag(value: object, what: str = "tag") -> str:
+    if not is_tag(value):
+        raise BadName(f"{what} {escaped(value)} is not a tag ([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})")
+    assert isinstance(value, str)
+    return value
+
+
+def check_reference(value: object, what: str = "reference") -> str:
+    """A manifest reference: a digest, or else a tag."""
+    if isinstance(value, str) and ":" in value:
+        return check_digest(value, what)
+    return check_tag(value, what)
+
+
+def check_repository(value: object, what: str = "repository") -> str:
+    if not is_repository(value):
+        raise BadName(f"{what} {escaped(value)} is not a repository name (lower-case path components)")
+    assert isinstance(value, str)
+    return value
+
+
+def check_descriptor(descriptor: object, what: str = "descriptor") -> dict:
+    """A descriptor whose digest may go into a URL and whose size, when given, is a byte count."""
+    if not isinstance(descriptor, dict):
+        raise BadName(f"{what} {escaped(descriptor)} is not an object")
+    check_digest(descriptor.get("digest"), f"{what} digest")
+    size = descriptor.get("size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise BadName(f"{what} {descriptor['digest']}: size {escaped(size)} is not a byte count")
+    return descriptor
+
+
+def split_host(registry: str) -> tuple[str, int | None]:
+    """`host`, `host:port`, `[v6]:port` or a bare IPv6 literal -> (host without brackets, port or None)."""
+    if registry.startswith("["):
+        host, _, rest = registry[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif registry.count(":") == 1:
+        host, _, port = registry.partition(":")
+    else:
+        host, port = registry, ""
+    return host.lower(), int(port) if port.isdigit() else None
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or an address that parses as a loopback one, with or without a port:
+    `127.evil.example` is a name, not 127/8, and is reached over https like any other."""
+    name = host.lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
