@@ -7,7 +7,6 @@ A variant gets its release tags only once its whole chain is in the registry.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import datetime as dt
 import os
 import re
@@ -15,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -450,23 +449,6 @@ class SecretLane:
         return f"allowed: the system CA bundle and directories {dirs}"
 
 
-_lane: contextvars.ContextVar[SecretLane | None] = contextvars.ContextVar("imagebuild_secret_lane", default=None)
-
-
-@contextlib.contextmanager
-def secret_lane(lane: SecretLane) -> Iterator[None]:
-    """The lane for every `secret_files` call within (`imagebuild release` hands its flags down so)."""
-    token = _lane.set(lane)
-    try:
-        yield
-    finally:
-        _lane.reset(token)
-
-
-def current_lane() -> SecretLane:
-    return _lane.get() or SecretLane.from_settings()
-
-
 def parse_secret_overrides(items: Iterable[str]) -> dict[str, str]:
     """--secret ID=PATH options -> {id: path}."""
     overrides = {}
@@ -509,15 +491,15 @@ def secret_files(matrix: Matrix, overrides: dict[str, str] | None = None,
                  lane: SecretLane | None = None) -> SecretFiles:
     """Secret files for the build; `overrides` (id -> path, from --secret) replace the matrix's sources.
 
-    `lane` (default: the one `secret_lane` set, else the environment settings) bounds what the
-    matrix's own `file:` and `env:` may name.
+    `lane` (default: the environment settings alone) bounds what the matrix's own `file:` and
+    `env:` may name; commands pass the one their flags give.
     """
     overrides = dict(overrides or {})
     for sid in overrides:
         if sid not in matrix.secret_ids:
             raise InputError(matrix.file, matrix.line_of(("secrets",)), f"secrets.{sid}",
                              "--secret names a secret the matrix does not declare (its Dockerfiles would not mount it)")
-    check_secret_lane(matrix, lane or current_lane(), overrides)
+    check_secret_lane(matrix, lane or SecretLane.from_settings(), overrides)
     paths, values = {}, []
     tmp = None
     for ref in matrix.secrets:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .report import (
     BuildReport,
@@ -41,6 +41,9 @@ from .report import (
     record_stage,
 )
 from .selection import Selection
+
+if TYPE_CHECKING:  # build (docker SDK, jinja2) is imported when the build stage runs
+    from .build import SecretLane
 
 STAGES = ("build", "smoke", "scan", "gate", "sign", "push")
 SUMMARY_SCHEMA = "imagebuild.release-summary/v1"
@@ -104,6 +107,7 @@ class ReleaseOptions:
     dockerfiles: Path | None = None  # default: dockerfiles/ beside the matrix
     layer_timeout_s: int = 3600
     secret_overrides: tuple[str, ...] = ()
+    secret_lane: SecretLane | None = None  # what the matrix's secrets may name (the operator's flags)
     smoke_tier: str = "all"
     smoke_timeout_s: int = 900
     policy: Path = Path("policies/vulnerabilities.yaml")
@@ -175,7 +179,8 @@ class ReleaseRun:
         report.revision = revision
         report.matrix_sha256 = matrix_sha256
         dockerfiles = self.options.dockerfiles or Path(matrix.file).parent / "dockerfiles"
-        secrets = building.secret_files(matrix, building.parse_secret_overrides(self.options.secret_overrides))
+        secrets = building.secret_files(matrix, building.parse_secret_overrides(self.options.secret_overrides),
+                                        lane=self.options.secret_lane)
         options = building.BuildOptions(jobs=self.options.jobs, dry_run=False, dockerfiles=dockerfiles,
                                         workdir=self.options.workdir, secrets=secrets.paths,
                                         secret_values=secrets.values, layer_timeout_s=self.options.layer_timeout_s)

@@ -307,13 +307,12 @@ def test_release_refuses_the_same_way_before_anything_runs(tmp_path, outside):
     assert not (tmp_path / "w").exists()
 
 
-def test_the_lane_release_hands_down_is_the_one_its_build_stage_reads(tmp_path, lane_dir, monkeypatch):
-    """release_run calls secret_files without a lane: it gets the one `secret_lane` set (the flags)."""
+def test_the_lane_a_command_passes_is_the_one_secret_files_reads(tmp_path, lane_dir, monkeypatch):
+    """release hands its flags' lane to its build stage (ReleaseOptions.secret_lane); without one,
+    only the environment settings count."""
     monkeypatch.delenv(building.SECRET_DIRS_ENV, raising=False)
     matrix = matrix_with(tmp_path, f"  pip-conf:\n    file: {lane_dir}/pip.conf")
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="pip-conf"):
         building.secret_files(matrix)
-    with building.secret_lane(building.SecretLane.from_settings([str(lane_dir)], environ={})):
-        assert building.secret_files(matrix).paths == {"pip-conf": str(lane_dir / "pip.conf")}
-    with pytest.raises(InputError):
-        building.secret_files(matrix)
+    lane = building.SecretLane.from_settings([str(lane_dir)], environ={})
+    assert building.secret_files(matrix, lane=lane).paths == {"pip-conf": str(lane_dir / "pip.conf")}

@@ -122,14 +122,13 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     rev, created = _revision(revision)
     dockerfiles = dockerfiles or matrix_path.parent / "dockerfiles"
     options = ReleaseOptions(workdir=workdir, jobs=jobs, dockerfiles=dockerfiles,
-                             secret_overrides=secret_overrides, smoke_tier=tier, policy=policy_path,
-                             push_to=push_to)
+                             secret_overrides=secret_overrides, secret_lane=lane, smoke_tier=tier,
+                             policy=policy_path, push_to=push_to)
     scan_options = scanning.ScanOptions(workdir=workdir, dockerfiles=dockerfiles, cache_dir=cache_dir,
                                         offline=offline, db_repository=db_repository)
     run = ReleaseRun(options, scan_options, sign_options, trust, on_event=lambda line: echo(line, err=True))
     report_at(workdir / "build-report.json")
-    with building.secret_lane(lane):  # release_run's build stage reads the secrets within this lane
-        run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
+    run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
     summary = run.summary()
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
