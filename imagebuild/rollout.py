@@ -29,13 +29,12 @@ import hashlib
 import json
 import os
 import secrets
-import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from . import rollout_gates as gates
 from .oci_copy import CopyOptions, copy_image, cosign_tag
@@ -69,13 +68,6 @@ MAX_RECORD_BYTES = 16 * 1024 * 1024
 FINISHED = frozenset({"completed", "halted", "aborted", "rolled-back"})
 EXIT_DONE, EXIT_HALTED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_LEASE_HELD = 0, 1, 2, 3, 4
 
-# Test hooks: SIGKILL this process after step N's effect but before it is recorded (MIDSTEP),
-# or right after it is recorded (AFTER_STEP). Used by the crash tests; harmless otherwise.
-KILL_MIDSTEP_ENV = "IMAGEBUILD_ROLLOUT_KILL_MIDSTEP"
-KILL_AFTER_STEP_ENV = "IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP"
-SETTLE_ENV = "IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S"
-RETRY_BASE_ENV = "IMAGEBUILD_ROLLOUT_RETRY_BASE_S"
-
 # Who did it: only these CI variables are read (never the environment at large, which holds secrets).
 _CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW",
                  "GITHUB_SHA", "GITLAB_USER_LOGIN", "CI_PROJECT_PATH", "CI_PIPELINE_ID", "CI_JOB_ID", "BUILD_URL")
@@ -99,6 +91,29 @@ class LeaseHeld(RolloutError):
 
 class StateRefused(RolloutError):
     """A document of the state repository is refused: malformed, or its blob does not match its descriptor."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long a rollout waits and on which clock: the CLI uses these defaults; tests inject shorter waits."""
+
+    settle_s: float = 2.0  # the lease's settle delay between writing it and reading it back
+    retry_base_s: float = 1.0  # backoff before a region's next try: base, 2x base, 4x base
+    clock: Callable[[], float] = time.time  # soaks and gate polls; leases keep the wall clock other processes read
+    sleep: Callable[[float], None] = time.sleep  # every wait: the settle, the backoffs, the gate polls
+
+
+StepPhase = Literal["effect", "recorded"]
+# Called after each step's effect (not yet recorded) and once it is recorded: where crash tests inject a fault.
+StepHook = Callable[[Step, StepPhase], None]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a caller may inject into a rollout command: its timing and a step hook (none by default)."""
+
+    timing: Timing = field(default_factory=Timing)
+    hook: StepHook | None = None
 
 
 def shown(value: Any, limit: int = 100) -> str:
@@ -255,6 +270,7 @@ class Lease:
     rollout_id: str
     ttl_s: float
     settle_s: float = 2.0
+    sleep: Callable[[float], None] = time.sleep
     nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     renewed_at: float = 0.0
 
@@ -311,7 +327,7 @@ class Lease:
         mine = self._mine(now)
         for tag in self.tags:
             self.store.write(tag, mine, LEASE_TYPE)
-        time.sleep(self.settle_s)
+        self.sleep(self.settle_s)
         for tag, channel in zip(self.tags, sorted(self.channels)):
             held = self._read(tag)
             if not held or held.get("nonce") != self.nonce:
@@ -348,9 +364,10 @@ class Lease:
             pass  # it expires on its own
 
 
-def lease_for(config: ReleaseConfig, store: StateStore, record: dict[str, Any]) -> Lease:
-    settle = float(os.environ.get(SETTLE_ENV, "2.0"))
-    return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, settle)
+def lease_for(config: ReleaseConfig, store: StateStore, record: dict[str, Any], timing: Timing | None = None) -> Lease:
+    timing = timing or Timing()
+    return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, timing.settle_s,
+                 timing.sleep)
 
 
 # --- the record ------------------------------------------------------------------------------
@@ -450,19 +467,14 @@ def region_registry(region: Region) -> Registry:
     return Registry(region.registry, docker_config=config, retry=_REGION_RETRIES)
 
 
-def _kill_if(env: str, index: int) -> None:
-    wanted = os.environ.get(env)
-    if wanted is not None and wanted.strip() == str(index):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 Output = Callable[[str], None]
 
 
 class Reconciler:
     """Runs (or resumes) one rollout's steps, or its rollback, against the live registries."""
 
-    def __init__(self, config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output):
+    def __init__(self, config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output,
+                 runtime: Runtime | None = None):
         self.config = config
         self.trust = trust
         self.journal = journal
@@ -477,7 +489,9 @@ class Reconciler:
         self.source_repository = source.repository
         self._registries: dict[str, Registry] = {}
         self._verifier: Verifier | None = None
-        self.retry_base_s = float(os.environ.get(RETRY_BASE_ENV, "1.0"))
+        runtime = runtime or Runtime()
+        self.timing = runtime.timing
+        self.hook = runtime.hook
 
     def registry(self, region: Region) -> Registry:
         if region.name not in self._registries:
@@ -528,9 +542,9 @@ class Reconciler:
                     raise
                 raise _Halt(f"region {region.name} ({region.registry}): {exc}") from None
             if attempt + 1 < _REGION_ATTEMPTS:
-                delay = self.retry_base_s * 2 ** attempt
+                delay = self.timing.retry_base_s * 2 ** attempt
                 self.out(f"  region {region.name} ({region.registry}) unreachable; retrying in {delay:g}s")
-                time.sleep(delay)
+                self.timing.sleep(delay)
         raise _Halt(f"region {region.name} ({region.registry}) unreachable after {_REGION_ATTEMPTS} attempts: {last}",
                     EXIT_UNREACHABLE)
 
@@ -554,7 +568,8 @@ class Reconciler:
                 self.lease.renew()
                 self.out(f"step {step.describe()}")
                 result = self._run_step(step)
-                _kill_if(KILL_MIDSTEP_ENV, step.index)
+                if self.hook is not None:
+                    self.hook(step, "effect")
                 entry = self.record["steps"][step.index]
                 entry["state"] = "done"
                 entry["done_at"] = now_iso()
@@ -562,7 +577,8 @@ class Reconciler:
                     entry["result"] = result
                 self.record["next_step"] = step.index + 1
                 self.journal.save()
-                _kill_if(KILL_AFTER_STEP_ENV, step.index)
+                if self.hook is not None:
+                    self.hook(step, "recorded")
         except StateRefused as refused:  # a lease, marker or quarantine mark that cannot be read
             self.out(f"halted: {refused}")
             return self._finish("halted", str(refused), EXIT_HALTED)
@@ -587,7 +603,7 @@ class Reconciler:
         wave["state"] = "moving"
         result = self._move(region, step.tag, step.wave)
         if self._last_move_of_wave(step):
-            wave["moved_at"] = time.time()
+            wave["moved_at"] = self.timing.clock()
             wave["state"] = "gating"
         return result
 
@@ -683,7 +699,7 @@ class Reconciler:
         state = self.record["waves"][step.wave]
         state["state"] = "gating"
         if state.get("moved_at") is None:
-            state["moved_at"] = time.time()
+            state["moved_at"] = self.timing.clock()
         # Each gate per region of the wave; approval is wave-wide, asked once.
         specs: list[tuple[GateSpec, Region]] = [
             (spec, self.config.region(name)) for spec in wave.gates
@@ -701,7 +717,7 @@ class Reconciler:
                 ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
                                         digest=self.digest, channels=tuple(self.record["channels"]),
                                         moved_at=float(state["moved_at"]), approvals=approvals, trust=self.trust,
-                                        now=time.time(), rollout_id=self.record["id"],
+                                        now=self.timing.clock(), rollout_id=self.record["id"],
                                         workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
             state["gates"] = [_result_dict(result) for result in results]
@@ -729,11 +745,11 @@ class Reconciler:
             if line != last_line:
                 self.out(line)
                 last_line = line
-            if time.time() - last_saved > 10:
+            if self.timing.clock() - last_saved > 10:
                 self.journal.save()  # `status` shows the progress from the registry
-                last_saved = time.time()
+                last_saved = self.timing.clock()
             delays = [r.retry_in_s for r in waiting if r.retry_in_s]
-            time.sleep(min(max(min(delays, default=1.0), 0.2), 5.0))
+            self.timing.sleep(min(max(min(delays, default=1.0), 0.2), 5.0))
 
     # --- rollback ---------------------------------------------------------------------------
 
@@ -851,7 +867,9 @@ def refuse_quarantined(config: ReleaseConfig, digest: str, image: str) -> None:
         raise RolloutError(f"refusing to roll out {image}: {why}")
 
 
-def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_dir: Path, out: Output) -> int:
+def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_dir: Path, out: Output,
+          runtime: Runtime | None = None) -> int:
+    runtime = runtime or Runtime()
     ref = ImageRef.parse(image)
     if not ref.digest:
         raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
@@ -864,7 +882,7 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     store = open_store(config)
     record = new_record(config, rollout_id, image, ref.digest, channels, steps)
     journal = Journal(store, local_dir, record)
-    lease = lease_for(config, store, record)
+    lease = lease_for(config, store, record, runtime.timing)
     lease.acquire()
     journal.event("start", to=ref.digest, detail=f"{len(steps)} steps over waves "
                                                   f"{', '.join(w.name for w in config.waves)}")
@@ -872,12 +890,12 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     for channel in channels:
         store.write(state_tag("channel", channel), {"rollout": rollout_id, "at": now_iso()}, MARKER_TYPE)
     out(f"rollout {rollout_id}: {image} -> {', '.join(channels)}")
-    return _run(config, trust, journal, lease, out, lambda r: r.run())
+    return _run(config, trust, journal, lease, out, runtime, lambda r: r.run())
 
 
-def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output,
+def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output, runtime: Runtime,
          action: Callable[[Reconciler], int]) -> int:
-    reconciler = Reconciler(config, trust, journal, lease, out)
+    reconciler = Reconciler(config, trust, journal, lease, out, runtime)
     try:
         return action(reconciler)
     except LeaseHeld:
@@ -889,10 +907,11 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lea
         reconciler.close()
 
 
-def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path) -> tuple[Journal, Lease]:
+def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path,
+            timing: Timing | None = None) -> tuple[Journal, Lease]:
     store = open_store(config)
     record = load_record(store, rollout_id, config)
-    return Journal(store, local_dir, record), lease_for(config, store, record)
+    return Journal(store, local_dir, record), lease_for(config, store, record, timing)
 
 
 def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> dict[str, Any]:
@@ -918,8 +937,10 @@ def check_resumable_source(trust: TrustConfig, record: dict[str, Any]) -> str:
     return check_source(trust, record["source"])
 
 
-def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
-    journal, lease = _reopen(config, rollout_id, local_dir)
+def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
+           runtime: Runtime | None = None) -> int:
+    runtime = runtime or Runtime()
+    journal, lease = _reopen(config, rollout_id, local_dir, runtime.timing)
     record = journal.record
     if record["status"] == "completed":
         out(f"rollout {rollout_id} is already completed")
@@ -939,22 +960,25 @@ def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output)
     record["reason"] = None
     journal.event("resume", detail=f"from step {record['next_step']}")
     journal.save()
-    return _run(config, trust, journal, lease, out, lambda r: r.run())
+    return _run(config, trust, journal, lease, out, runtime, lambda r: r.run())
 
 
-def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
-    journal, lease = _reopen(config, rollout_id, local_dir)
+def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
+             runtime: Runtime | None = None) -> int:
+    runtime = runtime or Runtime()
+    journal, lease = _reopen(config, rollout_id, local_dir, runtime.timing)
     if journal.record["status"] == "rolled-back":
         out(f"rollout {rollout_id} is already rolled back")
         return EXIT_DONE
     trust = _trust(config)
     lease.acquire()
     _reload(config, journal, lease)
-    return _run(config, trust, journal, lease, out, lambda r: r.rollback())
+    return _run(config, trust, journal, lease, out, runtime, lambda r: r.rollback())
 
 
-def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output) -> int:
-    journal, lease = _reopen(config, rollout_id, local_dir)
+def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
+          runtime: Runtime | None = None) -> int:
+    journal, lease = _reopen(config, rollout_id, local_dir, (runtime or Runtime()).timing)
     record = journal.record
     if record["status"] in ("completed", "rolled-back", "aborted"):
         out(f"rollout {rollout_id} is {record['status']}; nothing to abort")

@@ -5,12 +5,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..source import InputError
 from .common import reports_input_errors
+
+if TYPE_CHECKING:
+    from ..rollout import Runtime
 
 DEFAULT_RELEASE = Path("release.yaml")
 DEFAULT_STATE_DIR = Path(".imagebuild/rollouts")
@@ -31,6 +34,14 @@ def _load(release_path: Path) -> Any:
     from ..release import load_release
 
     return load_release(release_path)
+
+
+def _runtime() -> Runtime:
+    """The rollout.Runtime a caller put in click's context object (a test wrapper), else the defaults."""
+    from ..rollout import Runtime
+
+    found = click.get_current_context().find_object(Runtime)
+    return found if found is not None else Runtime()
 
 
 def _finish(action: Any) -> None:
@@ -127,7 +138,7 @@ def start_command(release_path: Path, image: str | None, variant_id: str | None,
 
     def action() -> int:
         source = image if image is not None else _variant_image(workdir or Path("."), variant_id or "")
-        return rollout.start(config, source, channels, state_dir, _out)
+        return rollout.start(config, source, channels, state_dir, _out, _runtime())
 
     _finish(action)
 
@@ -150,7 +161,7 @@ def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None
     from .. import rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out))
+    _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
 
 
 @rollout_group.command("abort")
@@ -163,7 +174,7 @@ def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     from .. import rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out))
+    _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
 
 
 @rollout_group.command("approve")
@@ -194,7 +205,7 @@ def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> No
     from .. import rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out))
+    _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
 
 
 @rollout_group.command("status")

@@ -1,6 +1,6 @@
 """`imagebuild rollout` end to end: the staging registry, the three regional registries, cosign
-signatures, a real Prometheus and health endpoint (rollout_harness), SIGKILLs, a registry outage
-and two rollouts racing for one channel.
+signatures, a real Prometheus and health endpoint (rollout_harness), a crash at every step (in
+process) and real SIGKILLs, a registry outage and two rollouts racing for one channel.
 
 Every test works in repositories of its own (rollout-e2e/<uuid>/...), so tests never see each
 other's tags; images are small (`crane append` of one file) and signed with bootstrap's key.
@@ -22,7 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from imagebuild import rollout
 from imagebuild.registry import Registry
+from imagebuild.release import load_release
+from imagebuild.rollout import Runtime, StepPhase, Timing
+from imagebuild.rollout_plan import Step
 from imagebuild.trust import load_trust_config
 from imagebuild.verify import Verifier
 
@@ -95,20 +99,26 @@ class Setup:
         """A signed image already serving `tag` in every region (what a rollout replaces); region -> digest."""
         return {region: make_image(self.tmp_path, host, self.repository, tag) for region, host in self.regions.items()}
 
-    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "imagebuild", "rollout", *args, "--release", str(self.release),
-                               *(["--state-dir", str(self.state_dir)] if args[0] != "status" else [])],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **FAST, **(env or {})})
+    def argv(self, *args: str, kill_at: str | None = None, real: bool = False) -> list[str]:
+        """`python -m imagebuild` (its own waits) or tests/e2e/rollout_cli.py: short waits, a SIGKILL at kill_at."""
+        kill = ["--kill-at", kill_at] if kill_at else []
+        entry = ["imagebuild"] if real else ["tests.e2e.rollout_cli", *FAST, *kill]
+        return [sys.executable, "-m", *entry, "rollout", *args, "--release", str(self.release),
+                *(["--state-dir", str(self.state_dir)] if args[0] != "status" else [])]
 
-    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "imagebuild", "rollout", *args, "--release", str(self.release),
-                                 "--state-dir", str(self.state_dir)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, **FAST, **(env or {})})
+    def cli(self, *args: str, kill_at: str | None = None, real: bool = False,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args, kill_at=kill_at, real=real), cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=timeout, env=dict(os.environ))
 
-    def start(self, image: str, *channels: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def popen(self, *args: str, real: bool = False) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(*args, real=real), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+
+    def start(self, image: str, *channels: str, kill_at: str | None = None,
+              real: bool = False) -> subprocess.CompletedProcess:
         return self.cli("start", "--image", image, *[arg for c in channels or ("stable",) for arg in ("--channel", c)],
-                        env=env)
+                        kill_at=kill_at, real=real)
 
     def tag(self, region: str, tag: str) -> str | None:
         with Registry(self.regions[region]) as registry:
@@ -148,7 +158,7 @@ class Setup:
 
 
 # Short waits so the tests stay quick: the lease's settle delay and the backoff before a region's retries.
-FAST = {"IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S": "0.5", "IMAGEBUILD_ROLLOUT_RETRY_BASE_S": "0.2"}
+FAST = ["--settle-s", "0.5", "--retry-base-s", "0.2"]
 
 
 def rollout_id_of(run: subprocess.CompletedProcess) -> str:
@@ -296,7 +306,7 @@ def test_a_signature_missing_in_one_region_halts_before_that_region_tags_move(tm
     image = setup.source()
     digest = image.split("@")[1]
     # Stop right after us-east's copy is recorded (step 7: canary is 0-6), then take the signature away there.
-    run = setup.start(image, "stable", "2.6-gpu", env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "7"})
+    run = setup.start(image, "stable", "2.6-gpu", kill_at="recorded:7")
     assert run.returncode == -signal.SIGKILL, run.stderr
     rollout_id = rollout_id_of(run)
     with Registry(REGIONS["us-east"]) as registry:
@@ -379,45 +389,152 @@ def test_approval_gate_waits_for_approve(tmp_path):
 # --- crashes --------------------------------------------------------------------------------------------
 
 
-def test_sigkill_at_every_step_then_resume_completes_and_no_region_ever_serves_an_unsigned_digest(tmp_path):
-    """28 runs: killed after each of the 14 steps' effects, once before the step is recorded and once after;
-    plus random-time kills. After each kill and each resume, every region's tag verifies (or is absent), and
-    the resumed rollout completes with every step done once and every tag moved once."""
+STEPS = 14  # canary: copy, verify, record, move, gates; rest: 2 copies, 2 verifies, 2 records, 2 moves, gates
+
+
+class Died(BaseException):
+    """The process dying at a step hook: a BaseException, so no `except Exception` of the product catches it."""
+
+
+class FastClock:
+    """Wall time plus every wait skipped: soaks, settles and backoffs pass at once, yet the gates see them pass."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def now(self) -> float:
+        return time.time() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.skipped += max(seconds, 0.0)
+
+
+def event_keys(events: list[dict], digest: str, before: dict[str, str | None]) -> list[tuple]:
+    """What each event says happened (the digest as `new`, a tag's previous as `old`): equal across like runs."""
+    def old(e: dict) -> object:
+        return "old" if e["what"] == "move-tag" and e.get("from") == before.get(e.get("region", "")) else e.get("from")
+
+    return [(e["what"], e.get("wave"), e.get("region"), e.get("tag"), old(e), "new" if e.get("to") == digest
+             else e.get("to")) for e in events]
+
+
+def test_a_crash_at_every_step_before_and_after_it_is_recorded_then_resume_ends_as_an_uninterrupted_run(tmp_path):
+    """28 rollouts in process, each dying at a step before or after it is recorded, resume to the uninterrupted end."""
+    # Died lets the lease go (as any exception does); the real SIGKILL test below covers a dead holder's lease.
     setup = Setup(tmp_path)
-    setup.write(CANARY_THEN_REST, lease_ttl="10s")  # a kill before the record exists leaves a lease: short
-    steps = 14  # canary: copy, verify, record, move, gates; rest: 2 copies, 2 verifies, 2 records, 2 moves, gates
-    kills = [("IMAGEBUILD_ROLLOUT_KILL_MIDSTEP", n) for n in range(steps)]
-    kills += [("IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP", n) for n in range(steps)]
-    random.Random(12).shuffle(kills)
-    kills += [("random", 0)] * 4
-    for hook, step in kills:
+    setup.write(CANARY_THEN_REST)
+    config = load_release(setup.release)
+    clock = FastClock()
+    timing = Timing(clock=clock.now, sleep=clock.sleep)  # the product's 2 s settle and 1 s backoff, skipped
+    lines: list[str] = []
+
+    def start(image: str, local: Path, hook, dies: bool) -> str:
+        """A rollout started in process, which dies at its hook or runs to the end; its ID."""
+        lines.clear()
+        if dies:
+            with pytest.raises(Died):
+                rollout.start(config, image, ("stable",), local, lines.append, Runtime(timing, hook))
+        else:
+            assert rollout.start(config, image, ("stable",), local, lines.append, Runtime(timing, hook)) == 0
+        return next(line.split()[1].rstrip(":") for line in lines if line.startswith("rollout "))
+
+    def audit(local: Path) -> list[dict]:
+        return [json.loads(line) for line in (local / "audit.jsonl").read_text().splitlines()]
+
+    # The uninterrupted run, and how many events it had written when each step's effect and record were done.
+    written: dict[tuple[int, str], int] = {}
+    local = tmp_path / "uninterrupted"
+
+    def count(step: Step, phase: StepPhase) -> None:
+        written[step.index, phase] = len(audit(local))
+
+    image = setup.source("candidate-uninterrupted")
+    reference = setup.record(start(image, local, count, dies=False))
+    keys = {"digest": image.split("@")[1], "before": dict.fromkeys(REGIONS)}  # the first rollout: no tag before
+    expected = event_keys(reference["events"], **keys)
+    assert event_keys(audit(local), **keys) == expected and len(written) == 2 * STEPS
+    assert [e for e in expected if e[0] == "move-tag"] == [
+        ("move-tag", wave, region, "stable", "old", "new") for wave, region in (
+            ("canary", "eu-west"), ("rest", "us-east"), ("rest", "ap-south"))]
+    assert expected[0][0] == "start" and expected[-1][0] == "completed"
+
+    for phase in ("effect", "recorded"):
+        for index in range(STEPS):
+            at = (phase, index)
+            image = setup.source(f"candidate-{phase}-{index}")
+            digest = image.split("@")[1]
+            before = {region: setup.tag(region, "stable") for region in REGIONS}
+
+            def die(step: Step, when: StepPhase, at: tuple = at) -> None:
+                if (when, step.index) == at:
+                    raise Died()
+
+            local = tmp_path / f"{phase}-{index}"
+            rollout_id = start(image, local, die, dies=True)
+            assert setup.serving_unsigned() == [], at
+            assert rollout.resume(config, rollout_id, local, lines.append, Runtime(timing)) == 0, (at, lines)
+            assert setup.serving_unsigned() == [], at
+            assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, digest), at
+
+            record = setup.record(rollout_id)
+            assert record["status"] == "completed" and record["next_step"] == STEPS, at
+            assert [s["state"] for s in record["steps"]] == ["done"] * STEPS, at
+            assert record["previous"] == {f"{region}/stable": before[region] for region in REGIONS}, at
+            assert {wave: state["state"] for wave, state in record["waves"].items()} == {
+                "canary": "passed", "rest": "passed"}, at
+            # The resume starts after the last recorded step: the one in flight (if unrecorded) runs again.
+            resumed_from = written[index, "recorded"] if phase == "recorded" else (
+                written[index - 1, "recorded"] if index else 1)
+            resume = ("resume", None, None, None, None, None)
+            keys = {"digest": digest, "before": before}
+            assert event_keys(record["events"], **keys) == (expected[:resumed_from] + [resume]
+                                                            + expected[resumed_from:]), at
+            # Locally the dead run's events stay: the step in flight appears twice, nothing else does.
+            assert event_keys(audit(local), **keys) == (expected[:written[index, phase]] + [resume]
+                                                        + expected[resumed_from:]), at
+
+
+def test_real_sigkills_mid_step_after_a_step_and_at_a_random_time_then_resume_completes(tmp_path):
+    """The real crash path: SIGKILLed mid-step, after a step and at random; the real CLI resumes at once to the end."""
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, lease_ttl="1m")  # a resume waiting out the lease would take a minute: it must not
+    rng = random.Random(12)
+    for kill in ("effect:3", "recorded:11", "random"):
         image = setup.source(f"candidate-{uuid.uuid4().hex[:6]}")
         digest = image.split("@")[1]
-        if hook == "random":
+        if kill == "random":
             process = setup.popen("start", "--image", image, "--channel", "stable")
-            time.sleep(random.uniform(0.8, 4.0))
+            assert process.stderr is not None
+            started = ""
+            for line in process.stderr:  # the record exists once the rollout names itself: then any time
+                if line.startswith("rollout "):
+                    started = line
+                    break
+            time.sleep(rng.uniform(0.0, 3.0))
             process.send_signal(signal.SIGKILL)
             _, err = process.communicate(timeout=60)
-            started = [line.split()[1].rstrip(":") for line in err.splitlines() if line.startswith("rollout ")]
-            if not started:  # killed before it recorded itself: nothing to resume; its lease may be left
-                time.sleep(10.5)
-                continue
-            rollout_id = started[0]
+            assert started, err
+            rollout_id = started.split()[1].rstrip(":")
         else:
-            run = setup.start(image, env={hook: str(step)})
-            assert run.returncode == -signal.SIGKILL, (hook, step, run.stderr)
+            run = setup.start(image, kill_at=kill)
+            assert run.returncode == -signal.SIGKILL, (kill, run.stderr)
             rollout_id = rollout_id_of(run)
-        assert setup.serving_unsigned() == [], (hook, step)
+        assert setup.serving_unsigned() == [], kill
 
-        resumed = setup.cli("resume", rollout_id)
-        assert resumed.returncode == 0, (hook, step, resumed.stderr)
-        assert setup.serving_unsigned() == [], (hook, step)
+        began = time.time()
+        resumed = setup.cli("resume", rollout_id, real=True)
+        assert resumed.returncode == 0, (kill, resumed.stderr)
+        assert time.time() - began < 50, kill  # took the dead process's lease over, did not wait for it to expire
+        assert setup.serving_unsigned() == [], kill
         assert {region: setup.tag(region, "stable") for region in REGIONS} == dict.fromkeys(REGIONS, digest)
         record = setup.record(rollout_id)
-        assert record["status"] == "completed" and record["next_step"] == steps
+        assert record["status"] == "completed" and record["next_step"] == STEPS
         assert all(s["state"] == "done" for s in record["steps"])
         moves = [(e["region"], e["tag"]) for e in record["events"] if e["what"] == "move-tag"]
-        assert sorted(moves) == sorted((region, "stable") for region in REGIONS), (hook, step, moves)
+        assert sorted(moves) == sorted((region, "stable") for region in REGIONS), (kill, moves)
+        if kill == "effect:3":  # the killed run moved the canary's tag; the resume found it moved and said so
+            found = [e for e in record["events"] if e["what"] == "move-tag" and e["region"] == "eu-west"]
+            assert [e.get("detail") for e in found] == ["found moved (a killed run moved it)"], found
 
 
 # --- a region down --------------------------------------------------------------------------------------
@@ -494,8 +611,8 @@ def test_two_concurrent_starts_of_the_same_channel_exactly_one_proceeds(tmp_path
     setup = Setup(tmp_path)
     setup.write(CANARY_THEN_REST)
     first, second = setup.source("one"), setup.source("two")
-    processes = [setup.popen("start", "--image", image, "--channel", "stable", env={
-        "IMAGEBUILD_ROLLOUT_LEASE_SETTLE_S": "2"}) for image in (first, second)]
+    # The real CLI: its own 2 s settle delay is what keeps the two apart.
+    processes = [setup.popen("start", "--image", image, "--channel", "stable", real=True) for image in (first, second)]
     results = [(p.wait(300), p.stderr.read() if p.stderr else "") for p in processes]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 4], results
@@ -529,7 +646,7 @@ def test_the_signed_example_rolls_out_with_its_attestations(tmp_path, signed_exa
 def test_a_crashed_rollouts_lease_blocks_another_rollout_until_it_expires(tmp_path):
     setup = Setup(tmp_path)
     setup.write(CANARY_THEN_REST, lease_ttl="8s")
-    crashed = setup.start(setup.source("one"), env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "0"})
+    crashed = setup.start(setup.source("one"), kill_at="recorded:0")
     assert crashed.returncode == -signal.SIGKILL
     killed_at = time.time()
     other = setup.source("two")

@@ -159,7 +159,7 @@ def test_resume_refuses_a_record_that_names_tags_regions_or_repositories_release
     other = make_image(tmp_path, eu, setup.repository, "other-image")  # signed: its .sig tag is the target
     image = setup.source()
     digest = image.split("@")[1]
-    killed = setup.start(image, env={"IMAGEBUILD_ROLLOUT_KILL_AFTER_STEP": "0"})  # the canary copy is done
+    killed = setup.start(image, kill_at="recorded:0")  # the canary copy is done
     assert killed.returncode < 0, killed.stderr
     rollout_id = rollout_id_of(killed)
     genuine = raw_record(setup, rollout_id)
