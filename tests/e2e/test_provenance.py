@@ -31,9 +31,10 @@ def inspect(image: str, key: Path, *args: str):
 
 
 def copy_of(image: str) -> Image:
-    """The image with its signature and attestations, copied by digest into a repository of its own."""
+    """The image with its signature and attestations, copied by digest into a repository of its own
+    (under the same image name: the signature names it, and verify refuses a copy under another)."""
     source, digest = image.split("@", 1)
-    repository = f"{STAGING}/provenance-e2e/{uuid.uuid4().hex[:10]}"
+    repository = f"{STAGING}/provenance-e2e/{uuid.uuid4().hex[:10]}/{source.rsplit('/', 1)[-1]}"
     crane("copy", image, f"{repository}:v1")
     for suffix in ("sig", "att"):
         crane("copy", f"{source}:{digest.replace(':', '-')}.{suffix}", f"{repository}:{digest.replace(':', '-')}.{suffix}")
