@@ -20,12 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from .admission import Verdict
-from .oci_auth import AuthDenied
 from .quarantine import MEDIA_TYPE, quarantine_tag
-from .registry import MANIFEST_TYPES, Registry, RegistryError, RegistryUnreachable
+from .registry import Registry, RegistryError, RegistryUnreachable
 from .source import safe_text
 from .trust import QuarantineSource
 
@@ -109,36 +106,10 @@ class QuarantineMarks:
         return _describe(record, digest, self._where())
 
     def _manifest(self, tag: str) -> bytes | None:
-        """The mark's manifest, at most MAX_MARK_MANIFEST_BYTES of it; None when the tag is absent."""
-        path = f"/v2/{self.source.repository}/manifests/{tag}"
-        where = f"{self._where()}:{tag}"
-        try:
-            with self.registry.client.stream("GET", path, headers={"Accept": MANIFEST_TYPES}) as response:
-                if response.status_code == 404:
-                    return None
-                if response.status_code != 200:
-                    kind = RegistryUnreachable if response.status_code >= 500 or response.status_code == 429 \
-                        else RegistryError
-                    raise kind(f"{where}: GET manifest answered HTTP {response.status_code}",
-                               registry=self.source.registry, repository=self.source.repository,
-                               status=response.status_code)
-                chunks, size = [], 0
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    if size > MAX_MARK_MANIFEST_BYTES:
-                        raise MarkUnreadable(f"its manifest is larger than {MAX_MARK_MANIFEST_BYTES} bytes")
-                    chunks.append(chunk)
-                raw = b"".join(chunks)
-                served = response.headers.get("docker-content-digest")
-        except httpx.HTTPError as err:
-            raise RegistryUnreachable(f"{where}: GET manifest: {type(err).__name__}", registry=self.source.registry,
-                                      repository=self.source.repository) from None
-        except AuthDenied as err:
-            raise RegistryError(f"{where}: GET manifest: {err}", registry=self.source.registry,
-                                repository=self.source.repository, status=err.status) from None
-        if served and served != "sha256:" + hashlib.sha256(raw).hexdigest():
-            raise MarkUnreadable("the manifest does not hash to the digest the registry gave for it")
-        return raw
+        """The mark's manifest, at most MAX_MARK_MANIFEST_BYTES of it (the one registry reader: grammar
+        checked, read with the cap); None when the tag is absent."""
+        found = self.registry.find_manifest(self.source.repository, tag, max_bytes=MAX_MARK_MANIFEST_BYTES)
+        return None if found is None else found[0]
 
 
 def _only_layer(raw: bytes) -> str:
