@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .oci import reference
+from .oci import names, reference
 from .source import safe_text
 
 API_VERSION = "admission.k8s.io/v1"
@@ -70,7 +70,6 @@ _MAX_WARNING = 512  # kubectl shows every warning; the API server may cut those 
 _MAX_UID = 128
 _UID = re.compile(r"[A-Za-z0-9._:-]+")
 _UNPRINTABLE = re.compile(r"[^\x21-\x7e]")  # in an image reference: anything but visible ASCII
-_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 
 
 class ReviewRejected(Exception):
@@ -462,7 +461,7 @@ def pinned(image: str, digest: str | None) -> str | None:
     """`image` rewritten to the digest it was verified at: repo:tag@digest or repo@digest (the tag kept
     for people, the digest for the runtime, which pulls by digest when both are given); None when
     that digest is no sha256 digest, or the reference already names another one."""
-    if digest is None or not _DIGEST.fullmatch(digest):
+    if not names.is_sha256_digest(digest):
         return None
     try:
         written = reference.split(image).digest

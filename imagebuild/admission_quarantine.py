@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .admission import Verdict
+from .oci import names
 from .quarantine import MEDIA_TYPE, quarantine_tag
 from .registry import Registry, RegistryError, RegistryUnreachable
 from .source import safe_text
@@ -29,7 +29,6 @@ from .trust import QuarantineSource
 MAX_MARK_MANIFEST_BYTES = 16 << 10  # one layer and an annotation
 MAX_MARK_BYTES = 256 << 10  # a reason and the blocking findings of one scan
 MAX_CACHED = 4096  # digests remembered; the oldest answers go first
-_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 
 
 class MarkUnreadable(Exception):
@@ -123,7 +122,7 @@ def _only_layer(raw: bytes) -> str:
     if not isinstance(layer, dict) or len(layers) != 1:
         raise MarkUnreadable("its manifest does not hold exactly one layer")
     digest, size = layer.get("digest"), layer.get("size")
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+    if not names.is_sha256_digest(digest):
         raise MarkUnreadable("its layer's digest is not sha256:<64 hex digits>")
     if not isinstance(size, int) or not 0 < size <= MAX_MARK_BYTES:
         raise MarkUnreadable(f"its layer's size is not between 1 and {MAX_MARK_BYTES} bytes")

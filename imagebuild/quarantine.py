@@ -21,27 +21,25 @@ from __future__ import annotations
 import datetime as dt
 import getpass
 import json
-import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .oci import names
 from .registry import ImageRef, RegistryError
 from .release import ReleaseConfig
 
 PREFIX = "quarantine-"
 MEDIA_TYPE = "application/vnd.imagebuild.quarantine.v1+json"
 SCHEMA = 1
-_DIGEST = re.compile(r"sha256:([a-f0-9]{64})")
 
 
 def quarantine_tag(digest: str) -> str:
-    match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
-    if match is None:
+    if not names.is_sha256_digest(digest):
         raise ValueError(f"{digest!r} is not a sha256 digest")
-    return f"{PREFIX}sha256-{match.group(1)}"
+    return f"{PREFIX}{digest.replace(':', '-', 1)}"
 
 
 def _now() -> str:

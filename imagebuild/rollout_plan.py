@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from .oci import names
 from .release import ReleaseConfig
 
 
@@ -36,7 +37,7 @@ class RecordMismatch(ValueError):
     """A record read from the state repository disagrees with the plan release.yaml gives (or is malformed)."""
 
 
-DIGEST_PATTERN = re.compile(r"sha256:[a-f0-9]{64}")
+DIGEST_PATTERN = names.SHA256_DIGEST
 ROLLOUT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,80}")
 STATUSES = frozenset({"running", "halted", "aborted", "completed", "rolling-back", "rolled-back"})
 

@@ -45,7 +45,7 @@ from .attest import (
     PREDICATE_SMOKE,
     PREDICATE_VULN,
 )
-from .oci import reference
+from .oci import names, reference
 from .oci_retry import QUICK_RETRIES
 from .provenance import canonical_sha256, provenance_problems, release_problems
 from .registry import ImageRef, Registry, RegistryError, RegistryUnreachable
@@ -103,7 +103,7 @@ class ImageVerdict:
 
 # --- image references --------------------------------------------------------------------------
 
-_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")  # cosign's tag scheme (sha256-<hex>.sig) knows sha256 only
+_DIGEST = names.SHA256_DIGEST  # cosign's tag scheme (sha256-<hex>.sig) knows sha256 only
 
 
 def parse_image(text: str) -> ImageRef:
@@ -446,7 +446,7 @@ def _vouched_for(release: Attestation) -> dict[str, str]:
     if not isinstance(named, dict):
         return {}
     return {str(name): digest for name, digest in named.items()
-            if isinstance(digest, str) and re.fullmatch(r"sha256:[a-f0-9]{64}", digest)}
+            if names.is_sha256_digest(digest)}
 
 
 # --- the policy over the attestations (pure) ---------------------------------------------------

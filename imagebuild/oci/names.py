@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import TypeGuard
 
 # The one grammar (imagebuild.oci.reference builds references from these pieces).
 # The registered algorithms only (OCI image spec, descriptor.md): anything else is refused.
 DIGEST_HEX = {"sha256": re.compile(r"[a-f0-9]{64}"), "sha512": re.compile(r"[a-f0-9]{128}")}
 _DIGEST = re.compile(r"(?:sha256:[a-f0-9]{64}|sha512:[a-f0-9]{128})")
+# What imagebuild itself names images, signatures, marks and rollouts by: cosign's tag scheme
+# (sha256-<hex>.sig) and every record of ours know sha256 only.
+SHA256_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component: separators ., _, __, -+
 REPOSITORY = re.compile(rf"{COMPONENT}(?:/{COMPONENT})*")
@@ -34,6 +38,10 @@ def escaped(value: object) -> str:
 
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def is_sha256_digest(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and SHA256_DIGEST.fullmatch(value) is not None
 
 
 def is_tag(value: object) -> bool:
