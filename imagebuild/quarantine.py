@@ -30,6 +30,7 @@ from typing import Any
 from .oci import names
 from .registry import ImageRef, RegistryError
 from .release import ReleaseConfig
+from .source import safe_text
 
 PREFIX = "quarantine-"
 MEDIA_TYPE = "application/vnd.imagebuild.quarantine.v1+json"
@@ -69,10 +70,9 @@ def find(store: Any, digest: str) -> dict[str, Any] | None:
 
 def describe(mark: dict[str, Any]) -> str:
     """A mark's when, how and why in one line; its text came from the state repository, so escaped."""
-    from .rollout import shown
-
-    return (f"since {shown(mark.get('since'), 64)} ({shown(mark.get('source'), 32)}): "
-            f"{shown(mark.get('reason'), 600)}")
+    since, source, reason = (safe_text(str(mark.get(key)), limit)
+                             for key, limit in (("since", 64), ("source", 32), ("reason", 600)))
+    return f"since {since} ({source}): {reason}"
 
 
 def mark(store: Any, digest: str, reason: str, *, images: list[str] | None = None,

@@ -29,11 +29,10 @@ class BadName(ValueError):
     """A digest, tag or repository outside the OCI grammar (the message quotes it escaped)."""
 
 
-def escaped(value: object) -> str:
+def escaped(value: object, limit: int = _ESCAPED_LIMIT) -> str:
     """The value quoted with every control or non-ASCII character escaped, cut to a readable length."""
     text = value if isinstance(value, str) else repr(value)
-    shown = ascii(text[:_ESCAPED_LIMIT])
-    return shown + ("…" if len(text) > _ESCAPED_LIMIT else "")
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def is_digest(value: object) -> bool:

@@ -68,7 +68,7 @@ class DigestError(ReferenceError):
 
 def shown(value: str, limit: int = 100) -> str:
     """A value quoted for a message, every control or non-ASCII character escaped, cut short."""
-    return ascii(value[:limit]) + ("..." if len(value) > limit else "")
+    return names.escaped(value, limit)
 
 
 # ---------------------------------------------------------------------------------------------
