@@ -9,7 +9,7 @@ a free 127.0.0.1 port, holding only a copy of the base image) and an empty Build
 builds the same rendered Dockerfiles with the same build args and secrets:
 
   imagebuild  `imagebuild build --jobs 2` on a copy of the matrix pointing at its registry;
-              layers pushed by imagebuild/publish.py.
+              layers pushed by imagebuild/build/publish.py.
   peer        for each layer, parents first, at most 2 at once: `docker build` (BuildKit, FROM
               the parent by the digest its push printed) and `docker push`.
 
@@ -41,11 +41,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from imagebuild.build import git_revision, prepare  # noqa: E402
-from imagebuild.matrix import load_matrix  # noqa: E402
-from imagebuild.publish import pushed_digest  # noqa: E402
-from imagebuild.selection import Selection  # noqa: E402
-from imagebuild.tools import docker_cli  # noqa: E402
+from imagebuild.build.publish import pushed_digest  # noqa: E402
+from imagebuild.build.scheduler import git_revision, prepare  # noqa: E402
+from imagebuild.config.matrix import load_matrix  # noqa: E402
+from imagebuild.config.selection import Selection  # noqa: E402
+from imagebuild.core.runner import docker_cli  # noqa: E402
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 CRANE = "/opt/imagebuild-tools/bin/crane"

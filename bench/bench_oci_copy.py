@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from imagebuild.oci_copy import copy_image  # noqa: E402
-from imagebuild.registry import Registry  # noqa: E402
+from imagebuild.oci.client import Registry  # noqa: E402
+from imagebuild.oci.copy import copy_image  # noqa: E402
 
 STAGING, REGION = "127.0.0.1:5000", "127.0.0.1:5001"
 TOOLS = Path("/opt/imagebuild-tools/bin")

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
+from imagebuild.build.plan import build_plan
+from imagebuild.config.matrix import load_matrix
 
 OSES = {  # name: (image, family)
     "debian11": ("docker.io/library/debian:11", "debian"),

@@ -68,8 +68,9 @@ def fresh_promoter() -> None:
 def imagebuild_promote(source: str, target: str, tag: str) -> None:
     """In this process (no interpreter start-up): what `imagebuild push` pays per image, with one
     Promoter (its registry connections kept) for every image, as push has."""
-    from imagebuild import push_plan, trust
-    from imagebuild.push import Promoter
+    from imagebuild.config import trust
+    from imagebuild.release import push_plan
+    from imagebuild.release.push import Promoter
 
     if not _PROMOTER:
         _PROMOTER.append(Promoter(trust.trust_config_for_keys([KEY]), push_plan.Force(), AUDIT_DIR / "audit.jsonl"))

@@ -27,9 +27,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan import synthetic_matrix  # noqa: E402
 
-from imagebuild.build import registry_plan  # noqa: E402
-from imagebuild.matrix import load_matrix  # noqa: E402
-from imagebuild.plan import build_plan  # noqa: E402
+from imagebuild.build.plan import build_plan  # noqa: E402
+from imagebuild.build.scheduler import registry_plan  # noqa: E402
+from imagebuild.config.matrix import load_matrix  # noqa: E402
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 

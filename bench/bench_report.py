@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from imagebuild.report import (  # noqa: E402
+from imagebuild.core.report import (  # noqa: E402
     BuildReport,
     GateStage,
     LayerRecord,

@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from imagebuild.trust import trust_config_for_keys  # noqa: E402
-from imagebuild.verify import Verifier, signature_tag  # noqa: E402
+from imagebuild.config.trust import trust_config_for_keys  # noqa: E402
+from imagebuild.trust.verify import Verifier, signature_tag  # noqa: E402
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 KEYS = Path("/var/lib/imagebuild/keys")

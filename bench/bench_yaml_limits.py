@@ -3,7 +3,7 @@
     python bench/bench_yaml_limits.py               # 3 runs each, target 2.0 s
     python bench/bench_yaml_limits.py --runs 5 --target 1.0
 
-Every input file goes through imagebuild.source.parse_document, whose `Limits` decide how
+Every input file goes through imagebuild.core.source.parse_document, whose `Limits` decide how
 long a hostile file can keep it busy. Each case below is built to cost as much as a file
 can within those limits: the most bytes, the most values, an alias bomb that expands until
 the value limit stops it, the deepest nesting. Prints the median time of each case and the
@@ -20,7 +20,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-from imagebuild.source import LIMITS, InputError, parse_document
+from imagebuild.core.source import LIMITS, InputError, parse_document
 
 
 def largest_string() -> str:

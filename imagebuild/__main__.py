@@ -1,3 +1,3 @@
-from .cli import main
+from imagebuild.cli import main
 
 main()

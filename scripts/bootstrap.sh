@@ -572,7 +572,7 @@ wait_go_tools() {
 # ---------------------------------------------------------------------------------------
 # 5. base image
 
-# imagebuild/baseimage.py builds it: mmdebstrap from BASE_SUITE, -updates and -security
+# imagebuild/build/baseimage.py builds it: mmdebstrap from BASE_SUITE, -updates and -security
 # (mirrors from this machine's apt configuration, or IMAGEBUILD_BASE_MIRROR /
 # IMAGEBUILD_BASE_SECURITY_MIRROR), then an image assembled by hand so that the same
 # package set gives the same digest on every machine (docker import stamps the time).
@@ -583,7 +583,7 @@ build_base_image() {
     ref="127.0.0.1:$port/$BASE_REPO:$BASE_TAG"
     # The recipe: what decides the image besides the mirror's state. A base in the registry made
     # by another recipe (an older bootstrap, say one without the security suite) is rebuilt.
-    recipe="$(cat "$REPO_ROOT/imagebuild/baseimage.py" - <<<"$BASE_SUITE|$BASE_INCLUDE|$BASE_SOURCE_DATE_EPOCH" \
+    recipe="$(cat "$REPO_ROOT/imagebuild/build/baseimage.py" - <<<"$BASE_SUITE|$BASE_INCLUDE|$BASE_SOURCE_DATE_EPOCH" \
         | sha256sum | cut -c1-16)"
     stamp="$STATE_DIR/base-image.stamp"
     # IMAGEBUILD_REFRESH_BASE=1: build again from today's mirror (newer security updates).
@@ -599,7 +599,7 @@ build_base_image() {
     workdir="$STATE_DIR/base/$BASE_SUITE"
     rm -rf "$workdir"
     log "base image: mmdebstrap $BASE_SUITE (+ -updates, -security), then push $ref (about a minute)"
-    if ! out="$(cd "$REPO_ROOT" && "$PYTHON" -m imagebuild.baseimage build --workdir "$workdir" \
+    if ! out="$(cd "$REPO_ROOT" && "$PYTHON" -m imagebuild.build.baseimage build --workdir "$workdir" \
             --suite "$BASE_SUITE" --include "$BASE_INCLUDE" --epoch "$BASE_SOURCE_DATE_EPOCH" \
             --push "$ref" 2>"$LOG_DIR/base-image.log")"; then
         show_log_tail "$LOG_DIR/base-image.log"

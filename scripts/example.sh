@@ -70,9 +70,9 @@ for line in "${released[@]}"; do
   if python - "$release" "$image" "$device" <<'PY'
 import sys
 from pathlib import Path
-from imagebuild.registry import ImageRef
-from imagebuild.release import load_release
-from imagebuild.rollout import region_registry
+from imagebuild.oci.client import ImageRef
+from imagebuild.config.release_file import load_release
+from imagebuild.rollout.state import region_registry
 config, digest, channel = load_release(Path(sys.argv[1])), ImageRef.parse(sys.argv[2]).digest, sys.argv[3]
 for region in config.regions:
     with region_registry(region) as registry:

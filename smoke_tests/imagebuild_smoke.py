@@ -35,7 +35,7 @@ from smoke_lib import Loader, PaddleFacts, paddle_dynload_libraries, paddle_fact
 
 EXPECT_ENV = "IMAGEBUILD_SMOKE_EXPECT"
 DEFAULT_EXPECT = "/smoke/expect.json"
-SCHEMA = "imagebuild.smoke-expect/v1"  # written by imagebuild/smoke.py
+SCHEMA = "imagebuild.smoke-expect/v1"  # written by imagebuild/checks/smoke.py
 TIERS = ("abi", "gpu")
 TIMEOUT_INI = "smoke_test_timeout"
 DEFAULT_TIMEOUT_S = 60.0
@@ -45,7 +45,7 @@ PADDLE_IMPORT_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Expect:
-    """What the matrix says this image is; the runner writes it as JSON (see imagebuild/smoke.py)."""
+    """What the matrix says this image is; the runner writes it as JSON (see imagebuild/checks/smoke.py)."""
 
     variant: str
     image: str

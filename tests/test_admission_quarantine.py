@@ -1,4 +1,4 @@
-"""What the webhook reads of a quarantine mark (imagebuild/admission_quarantine.py): the pure checks.
+"""What the webhook reads of a quarantine mark (imagebuild/admission/quarantine.py): the pure checks.
 
 The marks themselves are read from a real registry in tests/e2e/test_admission.py.
 """
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from imagebuild.admission_quarantine import MarkUnreadable, _describe, _only_layer, with_quarantine
-from imagebuild.quarantine import MEDIA_TYPE
+from imagebuild.admission.quarantine import MarkUnreadable, _describe, _only_layer, with_quarantine
+from imagebuild.rollout.quarantine import MEDIA_TYPE
 
 DIGEST = "sha256:" + "d" * 64
 

@@ -1,4 +1,4 @@
-"""AdmissionReview v1 parsing, image extraction and answers (imagebuild/admission.py, pure).
+"""AdmissionReview v1 parsing, image extraction and answers (imagebuild/admission/review.py, pure).
 
 The verifier is a small table of verdicts here: these tests are about how verdicts become an
 answer. The real Verifier behind the real server is tested in tests/e2e/test_admission.py.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from imagebuild import admission
-from imagebuild.admission import Limits, Policy, ReviewRejected, parse_review
+from imagebuild.admission import review as admission
+from imagebuild.admission.review import Limits, Policy, ReviewRejected, parse_review
 
 UID = "705ab4f5-6393-11e8-b7cc-42010a800002"
 GOOD = "127.0.0.1:5000/imagebuild/app@sha256:" + "a" * 64
@@ -345,7 +345,7 @@ def test_a_long_denial_message_is_bounded():
 
 
 def test_an_error_while_verifying_one_image_refuses_that_image_and_the_others_are_still_judged():
-    from imagebuild.admission_server import ParallelVerifier
+    from imagebuild.admission.server import ParallelVerifier
 
     def verify(image):
         if image == BAD:
@@ -364,7 +364,7 @@ def test_an_error_while_verifying_one_image_refuses_that_image_and_the_others_ar
 
 
 def test_an_error_while_verifying_is_refused_even_under_failure_policy_ignore():
-    from imagebuild.admission_server import ParallelVerifier
+    from imagebuild.admission.server import ParallelVerifier
 
     def verify(image):
         raise ValueError("bug")

@@ -1,11 +1,11 @@
-"""The attestation predicates sign attaches (imagebuild/attest.py): their shape, their digest, no secrets."""
+"""The attestation predicates sign attaches (imagebuild/trust/attest.py): their shape, their digest, no secrets."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from imagebuild import attest
+from imagebuild.trust import attest
 
 DIGEST = "sha256:" + "b" * 64
 OTHER = "sha256:" + "c" * 64

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from imagebuild.provenance import canonical_sha256
-from imagebuild.verify import (
+from imagebuild.trust.provenance import canonical_sha256
+from imagebuild.trust.verify import (
     ATTESTATION_TYPES,
     Attestation,
     Refused,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.baseimage import (
+from imagebuild.build.baseimage import (
     MIRROR_ENV,
     SECURITY_MIRROR_ENV,
     SourcesError,

@@ -17,8 +17,8 @@ from .conftest import REPO_ROOT, run_imagebuild
 # XML, the Harbor client, the webhook server, and httpx's own command line (rich, pygments).
 NOT_FOR_REGISTRY_COMMANDS = (
     "docker", "requests", "urllib3", "jinja2", "xml.etree.ElementTree", "rich", "pygments", "httpx._main",
-    "imagebuild.build", "imagebuild.publish", "imagebuild.plan", "imagebuild.render", "imagebuild.matrix",
-    "imagebuild.harbor", "imagebuild.admission_server", "imagebuild.gate", "imagebuild.scan",
+    "imagebuild.build.scheduler", "imagebuild.build.publish", "imagebuild.build.plan", "imagebuild.build.render", "imagebuild.config.matrix",
+    "imagebuild.release.harbor", "imagebuild.admission.server", "imagebuild.checks.gate", "imagebuild.checks.scan",
 )
 
 
@@ -53,7 +53,7 @@ def test_top_level_help_imports_no_command_module() -> None:
         assert cli.main(["--help"], prog_name="imagebuild", standalone_mode=False) == 0
     """)
     assert sorted(m for m in loaded if m.startswith("imagebuild.cli.")) == []
-    assert "imagebuild.registry" not in loaded
+    assert "imagebuild.oci.client" not in loaded
 
 
 def test_every_table_entry_resolves_to_its_command() -> None:

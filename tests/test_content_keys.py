@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import KEY_VERSION, build_plan, content_key
+from imagebuild.build.plan import KEY_VERSION, build_plan, content_key
+from imagebuild.config.matrix import load_matrix
 
 DEBIAN_DIGEST = "sha256:" + "1" * 64
 CUDA_DIGEST = "sha256:" + "2" * 64

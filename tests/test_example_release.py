@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from imagebuild.release import ApprovalGate, PrometheusGate, SignatureGate, SoakGate, load_release
-from imagebuild.trust import load_trust_config
+from imagebuild.config.release_file import ApprovalGate, PrometheusGate, SignatureGate, SoakGate, load_release
+from imagebuild.config.trust import load_trust_config
 
 from .conftest import REPO_ROOT
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
-from imagebuild.selection import Selection
-from imagebuild.source import InputError
+from imagebuild.build.plan import build_plan
+from imagebuild.config.matrix import load_matrix
+from imagebuild.config.selection import Selection
+from imagebuild.core.source import InputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -309,7 +309,7 @@ def test_example_variants_share_their_base_layer(example):
     assert cpu.chain[0] == gpu.chain[0]
 
 
-# --- --only on plan variants (imagebuild.selection) --------------------------------------------------------------
+# --- --only on plan variants (imagebuild.config.selection) --------------------------------------------------------------
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The CI fan-out (imagebuild/fanout.py) on the 1,000-variant benchmark matrix.
+"""The CI fan-out (imagebuild/build/fanout.py) on the 1,000-variant benchmark matrix.
 
 What the workflow relies on: no matrix over GitHub's 256 jobs; each layer the release needs is
 built by exactly one job; a layer's job runs in an earlier level than every job building on it;
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from bench.bench_plan import synthetic_matrix
-from imagebuild.fanout import (
+from imagebuild.build.fanout import (
     MAX_MATRIX,
     Fanout,
     changed_variants,
@@ -21,9 +21,9 @@ from imagebuild.fanout import (
     matrix_entry,
     plan_fanout,
 )
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import Plan, Variant, build_plan, find_layers, with_ancestors
-from imagebuild.source import InputError
+from imagebuild.build.plan import Plan, Variant, build_plan, find_layers, with_ancestors
+from imagebuild.config.matrix import load_matrix
+from imagebuild.core.source import InputError
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imagebuild.admission import POD_SPEC_PATHS, ReviewRejected, parse_review
+from imagebuild.admission.review import POD_SPEC_PATHS, ReviewRejected, parse_review
 
 # No example database: nothing written into the checkout; each run draws afresh.
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

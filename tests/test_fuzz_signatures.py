@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imagebuild.verify import (
+from imagebuild.trust.verify import (
     IN_TOTO_PAYLOAD_TYPE,
     Attestation,
     Key,

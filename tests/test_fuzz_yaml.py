@@ -15,9 +15,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imagebuild.matrix import MatrixParser
-from imagebuild.source import UNSAFE_TEXT, Document, InputError, Limits, load_document, parse_document
-from imagebuild.support import load_support_table
+from imagebuild.config.matrix import MatrixParser
+from imagebuild.config.support import load_support_table
+from imagebuild.core.source import UNSAFE_TEXT, Document, InputError, Limits, load_document, parse_document
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = Limits(max_bytes=4096, max_depth=8, max_aliases=8, max_nodes=200)  # reached often, not rarely

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from imagebuild import gate
-from imagebuild.source import InputError, parse_document
+from imagebuild.checks import gate
+from imagebuild.core.source import InputError, parse_document
 
 from .trivy_reports import CPU, DIGEST, GPU, TODAY, misconfig, os_pkgs, python_pkgs, report, secret, vuln
 
@@ -417,7 +417,7 @@ def test_release_is_allowed_for_the_image_that_passed():
 
 
 def test_release_reads_the_typed_gate_record_of_a_build_report_too():
-    from imagebuild.report import GateStage
+    from imagebuild.core.report import GateStage
 
     passed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs())))["gate"])}
     failed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs(EXPAT))))["gate"])}
@@ -446,7 +446,7 @@ def test_an_exception_remembers_its_line_for_messages():
 def test_the_committed_policy_is_valid():
     from pathlib import Path
 
-    from imagebuild.source import load_document
+    from imagebuild.core.source import load_document
     root = Path(__file__).resolve().parent.parent
     pol = gate.parse_policy(load_document(root / "policies" / "vulnerabilities.yaml", "policies/vulnerabilities.yaml"))
     assert pol.severity in ("HIGH", "CRITICAL")
@@ -455,7 +455,7 @@ def test_the_committed_policy_is_valid():
 def test_the_example_policy_excepts_the_unfixed_cves_of_the_fixture_db_and_no_fixed_one():
     from pathlib import Path
 
-    from imagebuild.source import load_document
+    from imagebuild.core.source import load_document
 
     from .e2e.trivydb import PERL
     root = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from imagebuild.report import BuildReport, GateStage, LayerRecord, ScanStage, StageStatus, VariantRecord
+from imagebuild.core.report import BuildReport, GateStage, LayerRecord, ScanStage, StageStatus, VariantRecord
 
 from .trivy_reports import CPU, DIGEST, GPU, misconfig, os_pkgs, report, secret, vuln
 
@@ -160,8 +160,8 @@ def test_run_gate_judges_records_and_writes_without_the_cli(tmp_path):
     """The orchestration lives in gate_run, so sign/push/CI can run the gate as a function."""
     import datetime as dt
 
-    from imagebuild.gate_run import run_gate
-    from imagebuild.selection import Selection
+    from imagebuild.checks.gate_run import run_gate
+    from imagebuild.config.selection import Selection
 
     workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
     outcome = run_gate(workdir, write_policy(tmp_path, ""), Selection.parse([f"id={GPU}"]), today=dt.date(2027, 1, 1))

@@ -1,4 +1,4 @@
-"""imagebuild/harbor.py's pure part: input checks, the requests it builds, reading Harbor's answers.
+"""imagebuild/release/harbor.py's pure part: input checks, the requests it builds, reading Harbor's answers.
 
 Every request body is also checked against Harbor's OpenAPI definitions, the same check the
 stand-in applies, so a builder cannot drift even where no end-to-end test reaches it.
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from imagebuild import harbor
+from imagebuild.release import harbor
 
 from .harbor_standin import HarborSpec
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import build as building
-from imagebuild import tools
-from imagebuild.matrix import load_matrix
-from imagebuild.source import InputError
+from imagebuild.build import scheduler as building
+from imagebuild.config.matrix import load_matrix
+from imagebuild.core import runner as tools
+from imagebuild.core.source import InputError
 
 from .conftest import run_imagebuild
 from .e2e.oci_servers import RecordingServer
@@ -290,7 +290,7 @@ def test_links_that_stay_in_the_matrix_folder_are_fine(matrix_folder):
 
 
 def test_a_smoke_container_gets_a_fixed_environment_and_nothing_of_this_process(monkeypatch):
-    from imagebuild import smoke_run
+    from imagebuild.checks import smoke_run
 
     monkeypatch.setenv("COSIGN_PASSWORD", "cosign-canary")
     assert smoke_run.CONTAINER_ENV == {"IMAGEBUILD_SMOKE_EXPECT": "/smoke/expect.json",

@@ -1,4 +1,4 @@
-"""Rebuilding a layer's tar from tar-split entries and its diff directory (imagebuild/layerstore.py).
+"""Rebuilding a layer's tar from tar-split entries and its diff directory (imagebuild/build/layerstore.py).
 
 Each test writes a real tar with Python's tarfile, describes it the way tar-split does (raw
 header and padding bytes as base64 segments, each file's content by name and size) and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.layerstore import (
+from imagebuild.build.layerstore import (
     FILE_ENTRY,
     SEGMENT_ENTRY,
     EngineStorage,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from imagebuild.matrix import MAX_COMBINATIONS
+from imagebuild.config.matrix import MAX_COMBINATIONS
 
 from .test_matrix_errors import edit
 

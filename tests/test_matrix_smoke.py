@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
-from imagebuild.smoke import MatrixContext
-from imagebuild.source import InputError
+from imagebuild.build.plan import build_plan
+from imagebuild.checks.smoke import MatrixContext
+from imagebuild.config.matrix import load_matrix
+from imagebuild.core.source import InputError
 
 BASE = """\
 schema: 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild.source import InputError, parse_document
+from imagebuild.core.source import InputError, parse_document
 
 
 def test_numbers_that_look_like_versions_keep_their_text():

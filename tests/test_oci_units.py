@@ -14,8 +14,7 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from imagebuild.oci.names import BadName, check_descriptor, check_digest, check_reference, check_tag, is_loopback
-from imagebuild.oci_auth import (
+from imagebuild.oci.auth import (
     Challenge,
     CredentialError,
     Credentials,
@@ -29,10 +28,11 @@ from imagebuild.oci_auth import (
     scopes_for,
     token_realms_from_env,
 )
-from imagebuild.oci_copy import cosign_tag
-from imagebuild.oci_locations import BlobLocations, default_cache_dir
-from imagebuild.oci_retry import RetryPolicy, parse_retry_after
-from imagebuild.registry import Registry, RegistryError, base_url
+from imagebuild.oci.client import Registry, RegistryError, base_url
+from imagebuild.oci.copy import cosign_tag
+from imagebuild.oci.locations import BlobLocations, default_cache_dir
+from imagebuild.oci.names import BadName, check_descriptor, check_digest, check_reference, check_tag, is_loopback
+from imagebuild.oci.retry import RetryPolicy, parse_retry_after
 
 ROBOT = "robot$imagebuild+ci"
 

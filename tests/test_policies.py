@@ -14,9 +14,9 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from imagebuild import policies
+from imagebuild.admission import policies
+from imagebuild.config.trust import load_trust_config
 from imagebuild.oci import reference
-from imagebuild.trust import load_trust_config
 from tests.conftest import run_imagebuild
 from tests.crd_schema import crd_schema
 

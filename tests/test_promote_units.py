@@ -2,9 +2,9 @@
 the image and, as its signature and attestation tags, the very manifests verified in the source."""
 from __future__ import annotations
 
-from imagebuild import push_plan as plan
-from imagebuild.push import already_there
-from imagebuild.verify import Evidence, signature_tag
+from imagebuild.release import push_plan as plan
+from imagebuild.release.push import already_there
+from imagebuild.trust.verify import Evidence, signature_tag
 
 DIGEST = "sha256:" + "a" * 64
 SIG, ATT = signature_tag(DIGEST, ".sig"), signature_tag(DIGEST, ".att")

@@ -1,4 +1,4 @@
-"""The release record (imagebuild/provenance.py): SLSA v1 provenance and the release predicate, from a build report."""
+"""The release record (imagebuild/trust/provenance.py): SLSA v1 provenance and the release predicate, from a build report."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +9,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from imagebuild import attest, provenance, sign
-from imagebuild.report import BuildReport, VariantRecord
-from imagebuild.trust import Requirements
-from imagebuild.verify import ATTESTATION_TYPES, Attestation, requirement_failures
+from imagebuild.config.trust import Requirements
+from imagebuild.core.report import BuildReport, VariantRecord
+from imagebuild.trust import attest, provenance, sign
+from imagebuild.trust.verify import ATTESTATION_TYPES, Attestation, requirement_failures
 
 SCHEMA = json.loads((Path(__file__).parent / "fixtures" / "schemas" / "slsa-provenance-v1.schema.json").read_text())
 

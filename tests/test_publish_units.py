@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from imagebuild.publish import (
+from imagebuild.build.publish import (
     DOCKER_CONFIG,
     DOCKER_LAYER,
     DOCKER_MANIFEST,
@@ -73,7 +73,7 @@ def test_chain_ids_start_with_the_first_diff_id_and_hash_each_parent_with_the_ne
 
 
 def test_the_compressor_gets_the_same_pieces_however_the_stream_was_cut():
-    from imagebuild.publish import _even_chunks
+    from imagebuild.build.publish import _even_chunks
 
     data = bytes(range(256)) * 40
     one_way = list(_even_chunks([data[:7], data[7:3000], data[3000:]], size=1024))

@@ -6,10 +6,10 @@ import datetime as dt
 
 import pytest
 
-from imagebuild import push_plan as plan
-from imagebuild.report import PushStage, StageStatus, VariantRecord
-from imagebuild.sign import require_signed
-from imagebuild.source import InputError
+from imagebuild.core.report import PushStage, StageStatus, VariantRecord
+from imagebuild.core.source import InputError
+from imagebuild.release import push_plan as plan
+from imagebuild.trust.sign import require_signed
 
 OLD = "sha256:" + "a" * 64
 NEW = "sha256:" + "b" * 64

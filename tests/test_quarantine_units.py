@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from imagebuild.quarantine import RescanResult, parse_digest_of, quarantine_tag
+from imagebuild.rollout.quarantine import parse_digest_of, quarantine_tag
+from imagebuild.rollout.rescan import RescanResult
 
 DIGEST = "sha256:" + "ab" * 32
 

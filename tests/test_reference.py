@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from imagebuild.oci import reference
+from imagebuild.oci.client import DOCKER_HUB, ImageRef
 from imagebuild.oci.reference import DigestError, HostError, ReferenceError, RepositoryError, TagError
-from imagebuild.registry import DOCKER_HUB, ImageRef
 
 D256 = "sha256:" + "ab" * 32
 D512 = "sha512:" + "cd" * 64

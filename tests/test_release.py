@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release import (
+from imagebuild.config.release_file import (
     ApprovalGate,
     CredentialRef,
     HttpGate,
@@ -17,7 +17,7 @@ from imagebuild.release import (
     load_release,
     parse_duration,
 )
-from imagebuild.source import InputError
+from imagebuild.core.source import InputError
 
 from .conftest import run_imagebuild
 

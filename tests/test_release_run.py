@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release_run import (
+from imagebuild.core.report import BuildReport, ScanStage, VariantRecord
+from imagebuild.release.pipeline import (
     STAGES,
     Cell,
     Outcome,
@@ -19,7 +20,6 @@ from imagebuild.release_run import (
     gate_inputs,
     scan_reusable,
 )
-from imagebuild.report import BuildReport, ScanStage, VariantRecord
 
 from .conftest import run_imagebuild
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
-from imagebuild.render import GENERATED_HEADER, TEMPLATES, check_tree, write_tree
+from imagebuild.build.plan import build_plan
+from imagebuild.build.render import GENERATED_HEADER, TEMPLATES, check_tree, write_tree
+from imagebuild.config.matrix import load_matrix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_DIGEST = "sha256:" + "d" * 64

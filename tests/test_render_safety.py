@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.render import GENERATED_HEADER
+from imagebuild.build.render import GENERATED_HEADER
 from tests.conftest import REPO_ROOT, run_imagebuild
 
 STALE = "python/debian12-py3.9/Dockerfile"  # a layer the example matrix no longer renders

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.report import (
+from imagebuild.core.report import (
     REPORT_SCHEMA,
     BuildReport,
     GateStage,
@@ -28,7 +28,7 @@ from imagebuild.report import (
     record_stage,
     update_report,
 )
-from imagebuild.source import InputError
+from imagebuild.core.source import InputError
 
 VARIANTS = ["v-cpu", "v-gpu", "v-gpu-py310", "v-cpu-py310"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from imagebuild.report import BuildReport, GateStage, SignStage, StageStatus, VariantRecord
+from imagebuild.core.report import BuildReport, GateStage, SignStage, StageStatus, VariantRecord
 
 from .conftest import run_imagebuild
 from .test_release import VALID

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release import ApprovalGate, PrometheusGate, Region, SoakGate
-from imagebuild.rollout_gates import (
+from imagebuild.config.release_file import ApprovalGate, PrometheusGate, Region, SoakGate
+from imagebuild.config.trust import Mode, Requirements, TrustConfig
+from imagebuild.rollout.gates import (
     NO_DATA_GRACE_S,
     GateContext,
     GateOutcome,
@@ -21,7 +22,6 @@ from imagebuild.rollout_gates import (
     redact_url,
     substitute_region,
 )
-from imagebuild.trust import Mode, Requirements, TrustConfig
 
 NOW = 1_800_000_000.0
 TRUST = TrustConfig(path=Path("trust.yaml"), mode=Mode.ENFORCE, keys=(), images=("**",), require=Requirements())

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release import Region, ReleaseConfig, SoakGate, Wave
-from imagebuild.rollout_plan import PlanError, RollbackStep, Step, StepKind, plan_rollback, plan_rollout
+from imagebuild.config.release_file import Region, ReleaseConfig, SoakGate, Wave
+from imagebuild.rollout.plan import PlanError, RollbackStep, Step, StepKind, plan_rollback, plan_rollout
 
 DIGEST = "sha256:" + "1" * 64
 OLD = "sha256:" + "0" * 64

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from imagebuild.rollout_plan import RecordMismatch, check_record, plan_rollback, plan_rollout, previous_pairs
+from imagebuild.rollout.plan import RecordMismatch, check_record, plan_rollback, plan_rollout, previous_pairs
 
 from .test_rollout_plan import DIGEST, OLD, release
 

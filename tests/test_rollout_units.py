@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from imagebuild.cli.rollout_command import _runtime
-from imagebuild.release import TAG_PATTERN
-from imagebuild.rollout import Runtime, Timing, short, state_tag, who
+from imagebuild.config.release_file import TAG_PATTERN
+from imagebuild.rollout.reconciler import Runtime, Timing
+from imagebuild.rollout.state import short, state_tag, who
 
 
 def test_state_tags_stay_valid_tags_however_long_the_channel():

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 
-from imagebuild.tools import EXIT_CANCELLED, EXIT_TIMED_OUT, Runner
+from imagebuild.core.runner import EXIT_CANCELLED, EXIT_TIMED_OUT, Runner
 
 from .conftest import REPO_ROOT
 
@@ -104,7 +104,7 @@ def test_sigterm_raises_cancelled_in_the_main_thread_and_no_child_outlives_it(tm
     marker = f"{3000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**6}"
     program = textwrap.dedent("""
         import sys, threading
-        from imagebuild.tools import Cancelled, Runner, cancel_children, install_signal_handlers
+        from imagebuild.core.runner import Cancelled, Runner, cancel_children, install_signal_handlers
         marker = sys.argv[1]
         install_signal_handlers()
         runner = Runner()

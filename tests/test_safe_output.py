@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from imagebuild.cli.common import safe, safe_cells, safe_lines, safe_markup
 from imagebuild.cli.inspect_command import record_tree
-from imagebuild.source import UNSAFE_TEXT
+from imagebuild.core.source import UNSAFE_TEXT
 
 from .conftest import run_imagebuild
 from .e2e.oci_servers import RecordingServer

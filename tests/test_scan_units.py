@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import scan
-from imagebuild.tools import ToolMissing
+from imagebuild.checks import scan
+from imagebuild.core.runner import ToolMissing
 
 REPO = Path(__file__).resolve().parent.parent
 A, B, C = ("sha256:" + ch * 64 for ch in "abc")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
-from imagebuild.report import BuildReport, LayerRecord, VariantRecord
-from imagebuild.selection import AXES, Selection
-from imagebuild.source import InputError
+from imagebuild.build.plan import build_plan
+from imagebuild.config.matrix import load_matrix
+from imagebuild.config.selection import AXES, Selection
+from imagebuild.core.report import BuildReport, LayerRecord, VariantRecord
+from imagebuild.core.source import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"

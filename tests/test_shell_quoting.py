@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
+from imagebuild.build.plan import build_plan
+from imagebuild.config.matrix import load_matrix
 from tests.conftest import run_imagebuild
 
 # --- the fields ---------------------------------------------------------------------------

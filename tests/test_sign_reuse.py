@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from imagebuild import sign
-from imagebuild.report import SignStage, StageStatus, parse_stage
-from imagebuild.source import InputError
+from imagebuild.core.report import SignStage, StageStatus, parse_stage
+from imagebuild.core.source import InputError
+from imagebuild.trust import sign
 
 from .test_verify_units import key, pem
 from .test_verify_units import sign as sign_bytes

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import attest, sign
-from imagebuild.source import InputError
-from imagebuild.tools import ToolMissing
+from imagebuild.core.runner import ToolMissing
+from imagebuild.core.source import InputError
+from imagebuild.trust import attest, sign
 
 from .conftest import REPO_ROOT, run_imagebuild
 from .test_scan_units import versions_env
@@ -175,7 +175,7 @@ def test_sign_comes_after_gate_in_the_help():
 
 
 def test_the_sign_record_reads_back_typed_and_keeps_what_a_newer_imagebuild_added(tmp_path):
-    from imagebuild.report import STAGE_RECORDS, SignStage, StageStatus, parse_stage
+    from imagebuild.core.report import STAGE_RECORDS, SignStage, StageStatus, parse_stage
 
     assert STAGE_RECORDS["sign"] is SignStage
     data = {"status": "passed", "digest": DIGEST, "key": "awskms:///alias/x", "layout": "tag",

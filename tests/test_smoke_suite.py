@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.smoke import parse_junit
+from imagebuild.checks.smoke import parse_junit
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = REPO / "smoke_tests"

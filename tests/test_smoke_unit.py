@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.matrix import load_matrix
-from imagebuild.plan import build_plan
-from imagebuild.report import VariantRecord
-from imagebuild.smoke import (
+from imagebuild.build.plan import build_plan
+from imagebuild.checks.smoke import (
     EXPECT_SCHEMA,
     REQUIRED_LABELS,
     JunitSummary,
@@ -31,8 +29,10 @@ from imagebuild.smoke import (
     target_for_record,
     target_from_labels,
 )
-from imagebuild.smoke_run import record_results
-from imagebuild.source import InputError
+from imagebuild.checks.smoke_run import record_results
+from imagebuild.config.matrix import load_matrix
+from imagebuild.core.report import VariantRecord
+from imagebuild.core.source import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "smoke_tests"))

@@ -8,8 +8,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from imagebuild.source import InputError
-from imagebuild.trust import (
+from imagebuild.config.trust import (
     FailurePolicy,
     Mode,
     QuarantineSource,
@@ -17,6 +16,7 @@ from imagebuild.trust import (
     load_trust_config,
     trust_config_for_keys,
 )
+from imagebuild.core.source import InputError
 
 
 def public_pem(private) -> str:

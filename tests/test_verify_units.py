@@ -14,9 +14,9 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from imagebuild.source import InputError
-from imagebuild.trust import PublicKey, Requirements
-from imagebuild.verify import (
+from imagebuild.config.trust import PublicKey, Requirements
+from imagebuild.core.source import InputError
+from imagebuild.trust.verify import (
     ATTESTATION_TYPES,
     Attestation,
     Key,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.source import LIMITS, InputError, Limits, Reader, load_document, parse_document
+from imagebuild.core.source import LIMITS, InputError, Limits, Reader, load_document, parse_document
 
 from .conftest import run_imagebuild
 from .test_gate_cli import write_workdir

@@ -5,6 +5,8 @@ Exit codes: 0 success; 1 the work failed (drift found, a build or gate failed, a
 error); 2 bad input (malformed matrix, policy or release file; bad options); 3 a tool or service
 is missing; 130 interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (a CI cancel). See
 common.reports_input_errors.
+
+May import: core, oci, config, build, checks, trust, release, rollout, admission. Nothing else imports cli.
 """
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import click
 
-from .. import admission
-from ..admission import Verdict
-from ..admission_quarantine import QuarantineMarks, with_quarantine
-from ..admission_server import DecisionLog, ServerSettings, serve, tls_context
-from ..source import InputError
-from ..trust import FailurePolicy, Mode, TrustConfig, load_trust_config
-from ..verify import Verifier
-from .common import EXIT_FAILED, echo, reports_input_errors
+from imagebuild.admission import review as admission
+from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
+from imagebuild.admission.review import Verdict
+from imagebuild.admission.server import DecisionLog, ServerSettings, serve, tls_context
+from imagebuild.cli.common import EXIT_FAILED, echo, reports_input_errors
+from imagebuild.config.trust import FailurePolicy, Mode, TrustConfig, load_trust_config
+from imagebuild.core.source import InputError
+from imagebuild.trust.verify import Verifier
 
 config_option = click.option(
     "--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import click
 
-from .. import build as building
-from .. import plan as planning
-from .. import report as reporting
-from ..matrix import load_matrix
-from ..progress import progress_for
-from ..selection import Selection
-from ..source import InputError
-from .common import (
+from imagebuild.build import plan as planning
+from imagebuild.build import scheduler as building
+from imagebuild.cli.common import (
     EXIT_FAILED,
     _revision,
     dockerfiles_dir,
@@ -30,6 +25,11 @@ from .common import (
     secret_lane_options,
     stderr,
 )
+from imagebuild.cli.progress import progress_for
+from imagebuild.config.matrix import load_matrix
+from imagebuild.config.selection import Selection
+from imagebuild.core import report as reporting
+from imagebuild.core.source import InputError
 
 
 @click.command()

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .. import selection
-from ..registry import RegistryError
-from ..source import InputError, escape_text
-from ..tools import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
+from imagebuild.config import selection
+from imagebuild.core.runner import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
+from imagebuild.core.source import InputError, escape_text
+from imagebuild.oci.client import RegistryError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -187,7 +187,7 @@ revision_option = click.option(
 
 def _revision(revision: str | None) -> tuple[str, str]:
     """The checkout this runs in (like CI's), unless --revision / SOURCE_DATE_EPOCH say otherwise."""
-    from .. import build as building  # the docker SDK and jinja2: only for the commands that build
+    from imagebuild.build import scheduler as building  # the docker SDK and jinja2: only for the commands that build
 
     commit, created = building.git_revision(Path.cwd())
     return (revision or commit), created
@@ -217,7 +217,7 @@ DEFAULT_TRUST_CONFIG = Path("policies/trust.yaml")
 def trust_config_option(config_path: Path | None, keys: tuple[Path, ...], option: str = "--config") -> Any:
     """The TrustConfig a command was given: ad hoc from `--key` files, else the trust file (OPTION or
     policies/trust.yaml). Shared by verify, inspect, push, promote and release."""
-    from .. import trust
+    from imagebuild.config import trust
 
     if keys and config_path is not None:
         raise InputError("--key", None, "", f"replaces the trust config; give --key or {option}, not both")

@@ -1,6 +1,6 @@
 """imagebuild harbor: set up a Harbor project for releases, and read Harbor's scan results.
 
-The logic is in imagebuild/harbor.py (push calls the same `ensure`). Credentials come from the
+The logic is in imagebuild/release/harbor.py (push calls the same `ensure`). Credentials come from the
 environment (HARBOR_USERNAME, HARBOR_PASSWORD) or a file (--password-file), never from an
 option value, which would show in `ps` and in shell histories. A robot's secret is printed once
 on stdout, or written to a 0600 file with --secret-file; never to stderr or in --format json.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import click
 
-from .. import harbor
-from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.cli.common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.core.source import InputError
+from imagebuild.release import harbor
 
 url_option = click.option("--url", required=True, metavar="URL",
                           help="Harbor's address, e.g. https://harbor.example.com (http only for loopback).")

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..source import InputError
-from .common import (
+from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -19,6 +18,7 @@ from .common import (
     safe_markup,
     trust_config_option,
 )
+from imagebuild.core.source import InputError
 
 if TYPE_CHECKING:
     from rich.tree import Tree
@@ -51,9 +51,9 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
       imagebuild inspect --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild inspect --key cosign.pub --format json IMAGE@sha256:...
     """
-    from ..attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
-    from ..provenance import provenance_problems, record_summary, release_problems
-    from ..verify import Verifier, parse_image
+    from imagebuild.trust.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
+    from imagebuild.trust.provenance import provenance_problems, record_summary, release_problems
+    from imagebuild.trust.verify import Verifier, parse_image
 
     try:
         parse_image(image)
@@ -88,7 +88,7 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
             "release": release.predicate if release else None,
         }, indent=2))
     elif record is not None:
-        from .common import stdout  # rich: for the tree only, not for --format json
+        from imagebuild.cli.common import stdout  # rich: for the tree only, not for --format json
 
         stdout.print(record_tree(image, found.digest, found.key, record, verified=not problems))
     for problem in problems:  # may quote an unverified attestation (its predicateType) or a registry

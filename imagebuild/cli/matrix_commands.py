@@ -8,16 +8,11 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import build as building
-from .. import fanout as fanning
-from .. import plan as planning
-from .. import report as reporting
-from ..matrix import Matrix, load_matrix
-from ..registry import ImageRef, Registry
-from ..render import check_tree, write_tree
-from ..selection import Selection
-from ..support import load_support_table, version_key
-from .common import (
+from imagebuild.build import fanout as fanning
+from imagebuild.build import plan as planning
+from imagebuild.build import scheduler as building
+from imagebuild.build.render import check_tree, write_tree
+from imagebuild.cli.common import (
     EXIT_FAILED,
     _revision,
     dockerfiles_dir,
@@ -31,6 +26,11 @@ from .common import (
     safe_markup,
     stdout,
 )
+from imagebuild.config.matrix import Matrix, load_matrix
+from imagebuild.config.selection import Selection
+from imagebuild.config.support import load_support_table, version_key
+from imagebuild.core import report as reporting
+from imagebuild.oci.client import ImageRef, Registry
 
 
 @click.command()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from .. import policies as policy_files
-from ..source import InputError
-from ..trust import load_trust_config
-from .common import EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.admission import policies as policy_files
+from imagebuild.cli.common import EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.config.trust import load_trust_config
+from imagebuild.core.source import InputError
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .. import push_plan as plan
-from ..push import AUDIT_LOG, PromoteOutcome, Promoter, PushError, PushOutcome, PushRun, environmental
-from ..registry import RegistryError
-from ..selection import Selection
-from ..source import InputError
-from .common import (
+from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_FAILED,
     echo,
@@ -25,6 +21,11 @@ from .common import (
     trust_config_option,
     workdir_option,
 )
+from imagebuild.config.selection import Selection
+from imagebuild.core.source import InputError
+from imagebuild.oci.client import RegistryError
+from imagebuild.release import push_plan as plan
+from imagebuild.release.push import AUDIT_LOG, PromoteOutcome, Promoter, PushError, PushOutcome, PushRun, environmental
 
 trust_option = click.option(
     "--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -108,7 +109,7 @@ def push_command(workdir: Path, to: str, only: tuple[str, ...], trust_path: Path
           --harbor-url https://harbor.example.com --key cosign.pub --format json
       imagebuild push --to harbor.example.com/paddle --key cosign.pub --force --reason "CVE-2026-1234 rebuild"
     """
-    from .. import sign as signing
+    from imagebuild.trust import sign as signing
 
     to = checked_repository("--to", to)
     selection = Selection.parse(only)
@@ -135,12 +136,16 @@ def push_command(workdir: Path, to: str, only: tuple[str, ...], trust_path: Path
         sys.exit(EXIT_FAILED)
 
 
-def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | None):
+ScanReader = Callable[[str, str], dict[str, Any]]
+
+
+def _harbor(url: str, to: str, password_file: Path | None,
+            ca_bundle: Path | None) -> Callable[[], tuple[dict[str, Any], ScanReader]]:
     """Check the Harbor options now (bad input: exit 2); return what ensures the project and reads scans."""
     import os
 
-    from .. import harbor
-    from .harbor_command import _ca, _checked_url, _harbor_failures, credentials_from
+    from imagebuild.cli.harbor_command import _ca, _checked_url, _harbor_failures, credentials_from
+    from imagebuild.release import harbor
 
     base_url = _checked_url(url)
     _, path = plan.split_repository(to)
@@ -153,7 +158,7 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
     credentials = credentials_from(os.environ.get("HARBOR_USERNAME"), password_file)
     ca = _ca(ca_bundle)
 
-    def setup() -> tuple[dict[str, Any], Any]:
+    def setup() -> tuple[dict[str, Any], ScanReader]:
         client = harbor.HarborClient(base_url, credentials, ca_bundle=ca)
         with _harbor_failures():
             ensured = harbor.ensure(client, harbor.HarborSetup(project=path))
@@ -173,7 +178,7 @@ def _harbor(url: str, to: str, password_file: Path | None, ca_bundle: Path | Non
 def print_push(outcomes: list[PushOutcome]) -> None:
     from rich.table import Table  # push's table only: promote prints lines and starts without rich
 
-    from .common import stdout
+    from imagebuild.cli.common import stdout
 
     table = Table(show_edge=False, pad_edge=False, box=None)
     for column in ("variant", "result", "digest", "tags", "uploaded", "reused", "audit / reason"):
@@ -238,7 +243,7 @@ def promote_command(source: str, target: str, tags: tuple[str, ...], trust_path:
           --tag 3.3.1 --tag 3.3 --trust policies/trust.yaml
       imagebuild promote SRC:3.3.1 DST --key cosign.pub --force --reason "re-promote the fixed build"
     """
-    from ..verify import parse_image
+    from imagebuild.trust.verify import parse_image
 
     try:
         ref = parse_image(source)

@@ -9,10 +9,18 @@ from typing import Any
 import click
 from rich.table import Table
 
-from .. import scan as scanning
-from ..source import InputError
-from .common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors, safe_cells, stdout
-from .rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
+from imagebuild.checks import scan as scanning
+from imagebuild.cli.common import (
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    echo,
+    format_option,
+    reports_input_errors,
+    safe_cells,
+    stdout,
+)
+from imagebuild.cli.rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
+from imagebuild.core.source import InputError
 
 
 @click.command("rescan")
@@ -47,9 +55,9 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
       imagebuild rescan --release examples/local/release.yaml --policy examples/local/policy.yaml \\
           --offline --cache-dir .imagebuild/trivy-example --format json
     """
-    from .. import quarantine
-    from ..gate import parse_policy
-    from ..source import load_document
+    from imagebuild.checks.gate import parse_policy
+    from imagebuild.core.source import load_document
+    from imagebuild.rollout import quarantine, rescan
 
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
@@ -58,8 +66,8 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     options = scanning.ScanOptions(workdir=out, dockerfiles=out, cache_dir=cache_dir.resolve(), offline=offline,
                                    db_repository=db_repository)
     unreachable: dict[str, str] = {}
-    results = quarantine.rescan(config, policy_path, options, out.resolve(),
-                                on_event=lambda line: echo(line, err=True), unreachable=unreachable)
+    results = rescan.rescan(config, policy_path, options, out.resolve(),
+                            on_event=lambda line: echo(line, err=True), unreachable=unreachable)
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):
             quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
@@ -106,7 +114,7 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
       imagebuild quarantine 127.0.0.1:5001/imagebuild/paddle@sha256:... --reason "CVE-2026-1234 in libfoo"
       imagebuild quarantine sha256:... --clear
     """
-    from .. import quarantine
+    from imagebuild.rollout import quarantine
 
     config = _load(release_path)
     if image is None:
@@ -149,8 +157,8 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
 
 
 def _digest(image: str) -> str:
-    from .. import quarantine
-    from ..registry import ImageRef, Registry
+    from imagebuild.oci.client import ImageRef, Registry
+    from imagebuild.rollout import quarantine
 
     try:
         return quarantine.parse_digest_of(image)
@@ -169,7 +177,7 @@ def _digest(image: str) -> str:
     return digest
 
 
-def print_marks(marks: list[dict]) -> None:
+def print_marks(marks: list[dict[str, Any]]) -> None:
     if not marks:
         stdout.print("nothing is quarantined")
         return

@@ -5,15 +5,13 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
 
-from .. import scan as scanning
-from ..release_run import STAGES, Outcome, ReleaseOptions, ReleaseRun, with_registry
-from ..selection import Selection
-from ..source import InputError
-from .common import (
+from imagebuild.checks import scan as scanning
+from imagebuild.cli.common import (
     EXIT_FAILED,
     _revision,
     echo,
@@ -28,6 +26,10 @@ from .common import (
     secret_lane_options,
     stdout,
 )
+from imagebuild.cli.progress import LineProgress
+from imagebuild.config.selection import Selection
+from imagebuild.core.source import InputError
+from imagebuild.release.pipeline import STAGES, Outcome, ReleaseOptions, ReleaseRun, with_registry
 
 DEFAULT_KEY = Path("/var/lib/imagebuild/keys/cosign.key")  # where scripts/bootstrap.sh makes it
 _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
@@ -93,11 +95,11 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     """
     import re
 
-    from ..cli.push_command import checked_repository, trust_config
-    from ..cli.sign_command import signing_options
-    from ..gate import parse_policy
-    from ..matrix import load_matrix
-    from ..source import load_document
+    from imagebuild.checks.gate import parse_policy
+    from imagebuild.cli.push_command import checked_repository, trust_config
+    from imagebuild.cli.sign_command import signing_options
+    from imagebuild.config.matrix import load_matrix
+    from imagebuild.core.source import load_document
 
     selection = Selection.parse(only)
     if registry is not None:
@@ -107,7 +109,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     matrix = with_registry(load_matrix(matrix_path), registry)
-    from .. import build as building
+    from imagebuild.build import scheduler as building
 
     lane = building.SecretLane.from_settings(secret_dirs, secret_env)
     building.check_secret_lane(matrix, lane, building.parse_secret_overrides(secret_overrides))
@@ -126,7 +128,8 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
                              policy=policy_path, push_to=push_to)
     scan_options = scanning.ScanOptions(workdir=workdir, dockerfiles=dockerfiles, cache_dir=cache_dir,
                                         offline=offline, db_repository=db_repository)
-    run = ReleaseRun(options, scan_options, sign_options, trust, on_event=lambda line: echo(line, err=True))
+    run = ReleaseRun(options, scan_options, sign_options, trust, on_event=lambda line: echo(line, err=True),
+                     on_layer=LineProgress())
     report_at(workdir / "build-report.json")
     run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
     summary = run.summary()
@@ -142,7 +145,7 @@ _STYLE = {Outcome.DONE.value: "green", Outcome.REUSED.value: "cyan", Outcome.FAI
           Outcome.NOT_REACHED.value: "dim", Outcome.OFF.value: "dim"}
 
 
-def print_release(summary: dict) -> None:
+def print_release(summary: dict[str, Any]) -> None:
     table = Table(show_edge=False, pad_edge=False, box=None)
     for column in ("variant", *STAGES, "result"):
         table.add_column(column, overflow="fold")

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..source import InputError
-from .common import reports_input_errors
+from imagebuild.cli.common import reports_input_errors
+from imagebuild.core.source import InputError
 
 if TYPE_CHECKING:
-    from ..rollout import Runtime
+    from imagebuild.rollout.reconciler import Runtime
 
 DEFAULT_RELEASE = Path("release.yaml")
 DEFAULT_STATE_DIR = Path(".imagebuild/rollouts")
@@ -31,14 +31,14 @@ def _out(line: str) -> None:
 
 
 def _load(release_path: Path) -> Any:
-    from ..release import load_release
+    from imagebuild.config.release_file import load_release
 
     return load_release(release_path)
 
 
 def _runtime() -> Runtime:
     """The rollout.Runtime a caller put in click's context object (a test wrapper), else the defaults."""
-    from ..rollout import Runtime
+    from imagebuild.rollout.reconciler import Runtime
 
     found = click.get_current_context().find_object(Runtime)
     return found if found is not None else Runtime()
@@ -46,8 +46,8 @@ def _runtime() -> Runtime:
 
 def _finish(action: Any) -> None:
     """Run a rollout action; its exit code ends the command, a RolloutError is one line."""
-    from ..rollout import RolloutError
-    from ..rollout_plan import PlanError
+    from imagebuild.rollout.plan import PlanError
+    from imagebuild.rollout.state import RolloutError
 
     try:
         code = action()
@@ -90,7 +90,7 @@ def rollout_group() -> None:
 
 def _variant_image(workdir: Path, variant_id: str) -> str:
     """The variant's repository@digest from the build report, refused unless gated and signed for that digest."""
-    from ..report import BuildReport, GateStage, SignStage, StageStatus
+    from imagebuild.core.report import BuildReport, GateStage, SignStage, StageStatus
 
     report_path = workdir / "build-report.json"
     report = BuildReport.read(report_path)
@@ -102,7 +102,7 @@ def _variant_image(workdir: Path, variant_id: str) -> str:
     for kind, word in ((GateStage, "gated"), (SignStage, "signed")):
         stage = variant.stage(kind)
         if stage is None or stage.status != StageStatus.PASSED or getattr(stage, "digest", None) != variant.digest:
-            from ..rollout import RolloutError
+            from imagebuild.rollout.state import RolloutError
 
             raise RolloutError(f"refusing to roll out {variant.image}: the build report does not show it {word} "
                                f"for this digest (run imagebuild {'gate' if kind is GateStage else 'sign'})")
@@ -126,7 +126,7 @@ def start_command(release_path: Path, image: str | None, variant_id: str | None,
     The image must verify in staging (signed, with the attestations the release's trust config
     requires) or nothing starts. Prints the rollout ID first; progress goes to stderr.
     """
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
 
     if (image is None) == (variant_id is None):
         raise InputError("--image/--variant", None, "", "give either --image REF@DIGEST or --variant ID --workdir W")
@@ -158,7 +158,7 @@ def _rollout_id(rollout_id: str) -> str:
 @reports_input_errors
 def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     """Finish a rollout from its recorded state (after a kill, a halt or an outage); no step runs twice."""
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
     _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
@@ -171,7 +171,7 @@ def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None
 @reports_input_errors
 def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     """Stop a rollout before its next step (tags already moved stay; `rollback` puts them back)."""
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
     _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
@@ -185,7 +185,7 @@ def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
 @reports_input_errors
 def approve_command(rollout_id: str, wave: str, release_path: Path, state_dir: Path) -> None:
     """Pass a wave's manual approval gate (recorded in the audit trail with who approved)."""
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
     _finish(lambda: rollout.approve(config, _rollout_id(rollout_id), wave, state_dir, _out))
@@ -202,7 +202,7 @@ def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> No
     A tag the rollout created is deleted. A tag someone moved again since is left alone (and
     the audit trail says so). Resumable like the rollout itself.
     """
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
     _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
@@ -216,14 +216,15 @@ def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> No
 @reports_input_errors
 def status_command(rollout_id: str | None, release_path: Path, output_format: str, watch: bool) -> None:
     """Per region and tag: the digest it points at now (read live), the previous one, the wave's state and gates."""
-    from .. import rollout
+    from imagebuild.rollout import reconciler as rollout
+    from imagebuild.rollout.state import RolloutError
 
     config = _load(release_path)
 
     def current() -> dict[str, Any]:
         wanted = _rollout_id(rollout_id) if rollout_id else rollout.latest_rollout(config, config.channels)
         if wanted is None:
-            raise rollout.RolloutError("no rollout of this release's channels yet", 1)
+            raise RolloutError("no rollout of this release's channels yet", 1)
         return rollout.status(config, wanted)
 
     def show() -> dict[str, Any]:
@@ -247,7 +248,7 @@ def status_command(rollout_id: str | None, release_path: Path, output_format: st
 def _print_status(data: dict[str, Any]) -> None:
     """The table; free text of the record (reason, source, gate details) came from the state repository,
     so its control characters are escaped before they reach a terminal."""
-    from ..rollout import short, shown
+    from imagebuild.rollout.state import short, shown
 
     reason = f" ({shown(data['reason'], 2000)})" if data.get("reason") else ""
     click.echo(f"rollout {data['id']}: {data['status']}{reason}")

@@ -4,16 +4,25 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
-from .. import gate as gating
-from .. import report as reporting
-from .. import scan as scanning
-from ..gate_run import run_gate
-from ..selection import Selection
-from ..source import InputError
-from .common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors, workdir_option
+from imagebuild.checks import gate as gating
+from imagebuild.checks import scan as scanning
+from imagebuild.checks.gate_run import run_gate
+from imagebuild.cli.common import (
+    EXIT_FAILED,
+    echo,
+    format_option,
+    only_option,
+    report_at,
+    reports_input_errors,
+    workdir_option,
+)
+from imagebuild.config.selection import Selection
+from imagebuild.core import report as reporting
+from imagebuild.core.source import InputError
 
 
 @click.command()
@@ -60,7 +69,7 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
         insecure_registries=insecure_registries)
     trivy = scanning.Trivy.find()
 
-    def progress(event: str, variant: reporting.VariantRecord, record: dict) -> None:
+    def progress(event: str, variant: reporting.VariantRecord, record: dict[str, Any]) -> None:
         if event == "start":
             echo(f"scanning {variant.id} ({variant.image})", err=True)
         else:
@@ -79,7 +88,7 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
         sys.exit(EXIT_FAILED)
 
 
-def _layers_note(layers: dict | None) -> str:
+def _layers_note(layers: dict[str, Any] | None) -> str:
     if not layers:
         return ""
     if layers.get("reused") is None:
@@ -87,7 +96,7 @@ def _layers_note(layers: dict | None) -> str:
     return f"; layers: {layers['reused']} of {layers['total']} from Trivy's cache"
 
 
-def print_scan_summary(summary: dict, workdir: Path) -> None:
+def print_scan_summary(summary: dict[str, Any], workdir: Path) -> None:
     for row in summary["variants"]:
         c = row.get("counts") or {}
         vulns = c.get("vulnerabilities", {})

@@ -9,10 +9,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import sign as signing
-from ..selection import Selection
-from ..source import InputError
-from .common import (
+from imagebuild.cli.common import (
     EXIT_FAILED,
     echo,
     format_option,
@@ -23,6 +20,10 @@ from .common import (
     stdout,
     workdir_option,
 )
+from imagebuild.config.selection import Selection
+from imagebuild.core.report import VariantRecord
+from imagebuild.core.source import InputError
+from imagebuild.trust import sign as signing
 
 
 @click.command("sign")
@@ -79,7 +80,7 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     variants = selection.choose(report.variants, str(report_path))
     cosign = signing.Cosign.find()
 
-    def progress(event: str, variant, message: str) -> None:
+    def progress(event: str, variant: VariantRecord, message: str) -> None:
         echo(f"signing {variant.id} ({message})" if event == "start" else f"  {message}", err=True)
 
     report_at(report_path)

@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from ..selection import Selection
-from ..source import InputError
-from .common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors
+from imagebuild.cli.common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors
+from imagebuild.config.selection import Selection
+from imagebuild.core.source import InputError
 
 
 @click.command("test")
@@ -61,7 +61,7 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
       imagebuild test --image 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild test --tier abi --format json
     """
-    from .. import smoke_run
+    from imagebuild.checks import smoke_run
 
     selection = Selection.parse(only)
     report_path = report_path or workdir / "build-report.json"

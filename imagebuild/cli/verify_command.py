@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..source import InputError
-from .common import (
+from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -18,6 +17,7 @@ from .common import (
     reports_input_errors,
     trust_config_option,
 )
+from imagebuild.core.source import InputError
 
 
 @click.command("verify")
@@ -58,7 +58,7 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
       imagebuild verify --no-attestations --format json IMAGE...
       imagebuild verify --key cosign.pub --require-provenance IMAGE    # refuse an image without provenance
     """
-    from ..verify import Verifier, parse_image
+    from imagebuild.trust.verify import Verifier, parse_image
 
     if require_provenance and no_attestations:
         raise InputError("--require-provenance", None, "", "checks an attestation; drop --no-attestations")

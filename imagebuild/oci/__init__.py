@@ -1,1 +1,6 @@
-"""The OCI layer: the image-reference grammar now; the client, auth, retry and copy move here later."""
+"""Talking to OCI registries: image-reference grammar (`names`, `reference`), the HTTP client and its
+per-host pool (`client`), credentials and tokens (`auth`), the one retry policy (`retry`), copy by
+digest (`copy`) and where blobs were seen (`locations`).
+
+May import: core.
+"""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 # The one grammar (imagebuild.oci.reference builds references from these pieces).
 # The registered algorithms only (OCI image spec, descriptor.md): anything else is refused.
@@ -79,7 +79,7 @@ def check_repository(value: object, what: str = "repository") -> str:
     return value
 
 
-def check_descriptor(descriptor: object, what: str = "descriptor") -> dict:
+def check_descriptor(descriptor: object, what: str = "descriptor") -> dict[str, Any]:
     """A descriptor whose digest may go into a URL and whose size, when given, is a byte count."""
     if not isinstance(descriptor, dict):
         raise BadName(f"{what} {escaped(descriptor)} is not an object")

@@ -25,7 +25,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, replace
 
-from . import names
+from imagebuild.oci import names
 
 DOCKER_HUB = "registry-1.docker.io"  # the API host of Docker Hub
 DOCKER_HUB_NAME = "docker.io"  # how Pod specs, policies and `docker pull` name it

@@ -148,8 +148,8 @@ def trivy_cache_with_db(trivy_db: Path, target: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def trivy() -> str:
-    from imagebuild.scan import Trivy
-    from imagebuild.tools import ToolMissing
+    from imagebuild.checks.scan import Trivy
+    from imagebuild.core.runner import ToolMissing
 
     try:
         return Trivy.find().path
@@ -242,8 +242,8 @@ def cosign_keys(our_key) -> dict:
 
 @pytest.fixture(scope="session")
 def cosign() -> str:
-    from imagebuild.sign import Cosign as PinnedCosign
-    from imagebuild.tools import ToolMissing
+    from imagebuild.core.runner import ToolMissing
+    from imagebuild.trust.sign import Cosign as PinnedCosign
 
     try:
         return PinnedCosign.find().path
@@ -305,7 +305,7 @@ def push(request, staging_registry, tmp_path):
 @pytest.fixture(scope="session")
 def tools() -> dict[str, str]:
     """crane, skopeo and cosign found on PATH (the pinned tools' folder put first), by name."""
-    from imagebuild.tools import TOOLS_DIR
+    from imagebuild.core.runner import TOOLS_DIR
 
     from .oci_servers import require_tool
 

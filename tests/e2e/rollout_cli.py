@@ -7,8 +7,8 @@ import signal
 import sys
 
 from imagebuild.cli import cli
-from imagebuild.rollout import Runtime, StepHook, StepPhase, Timing
-from imagebuild.rollout_plan import Step
+from imagebuild.rollout.plan import Step
+from imagebuild.rollout.reconciler import Runtime, StepHook, StepPhase, Timing
 
 
 def kill_at(phase: str, index: int) -> StepHook:

@@ -614,9 +614,9 @@ def test_a_deployment_s_image_volume_is_checked(webhook, images):
 
 
 def test_a_quarantined_signed_digest_is_refused_with_the_reason_until_the_mark_is_cleared(start_webhook, registry):
-    from imagebuild import quarantine
-    from imagebuild.registry import Registry as Client
-    from imagebuild.rollout import StateStore
+    from imagebuild.oci.client import Registry as Client
+    from imagebuild.rollout import quarantine
+    from imagebuild.rollout.state import StateStore
 
     state = f"admission-e2e/state-{uuid.uuid4().hex[:8]}"
     hook = start_webhook(quarantine=f"{STAGING}/{state}")

@@ -1,5 +1,5 @@
 """The local base image, built for real: mmdebstrap from this machine's apt sources (bookworm,
--updates, -security), assembled by imagebuild.baseimage, pushed to the staging registry.
+-updates, -security), assembled by imagebuild.build.baseimage, pushed to the staging registry.
 
 The claim under test: the same package set gives the same digest, whoever builds it. Two builds
 in separate folders on this machine, and one inside a clean container started from the image
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild.tools import docker_cli
+from imagebuild.core.runner import docker_cli
 
 from .conftest import REPO, STAGING
 
@@ -41,7 +41,7 @@ class Built:
 def build(workdir: Path, *push: str) -> Built:
     if shutil.which("mmdebstrap") is None:
         pytest.fail("mmdebstrap is not installed; run scripts/bootstrap.sh", pytrace=False)
-    proc = subprocess.run([sys.executable, "-m", "imagebuild.baseimage", "build", "--workdir", str(workdir),
+    proc = subprocess.run([sys.executable, "-m", "imagebuild.build.baseimage", "build", "--workdir", str(workdir),
                            "--epoch", EPOCH, *push], cwd=REPO, check=False, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,7 +101,7 @@ IN_CONTAINER = """set -eu
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends mmdebstrap python3 >/dev/null 2>&1
 cd /src
-python3 -m imagebuild.baseimage build --workdir /tmp/base --epoch {epoch} >/out/result.json
+python3 -m imagebuild.build.baseimage build --workdir /tmp/base --epoch {epoch} >/out/result.json
 cp /tmp/base/packages.txt /out/packages.txt
 """
 

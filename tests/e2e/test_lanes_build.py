@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import uuid
 
-from imagebuild import build as building
-from imagebuild.tools import Runner, docker_cli
+from imagebuild.build import scheduler as building
+from imagebuild.core.runner import Runner, docker_cli
 
 BASE = "127.0.0.1:5000/imagebuild/debian:12"  # made and pushed by scripts/bootstrap.sh
 CREDENTIALS = ("COSIGN_PASSWORD", "SIGSTORE_ID_TOKEN", "HARBOR_USERNAME", "HARBOR_PASSWORD", "TRIVY_PASSWORD",

@@ -19,11 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild.oci_auth import Credentials
-from imagebuild.oci_copy import CopyOptions, copy_image, cosign_tag
-from imagebuild.oci_locations import BlobLocations
-from imagebuild.oci_retry import RetryPolicy
-from imagebuild.registry import (
+from imagebuild.oci.auth import Credentials
+from imagebuild.oci.client import (
     DOCKER_MANIFEST_LIST,
     OCI_INDEX,
     OCI_MANIFEST,
@@ -31,6 +28,9 @@ from imagebuild.registry import (
     RegistryAuthError,
     RegistryError,
 )
+from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
+from imagebuild.oci.locations import BlobLocations
+from imagebuild.oci.retry import RetryPolicy
 
 from .conftest import STAGING, require_registry
 from .oci_servers import (
@@ -60,7 +60,7 @@ def _unique(prefix: str) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def own_blob_cache(tmp_path_factory):
     """Copies remember where blobs landed (oci_locations); these tests keep theirs apart."""
-    import imagebuild.oci_copy as oci_copy
+    import imagebuild.oci.copy as oci_copy
 
     previous = os.environ.get("IMAGEBUILD_CACHE_DIR")
     os.environ["IMAGEBUILD_CACHE_DIR"] = str(tmp_path_factory.mktemp("imagebuild-cache"))

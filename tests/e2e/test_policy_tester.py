@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild import policies
-from imagebuild.attest import KINDS
-from imagebuild.tools import TOOLS_DIR
-from imagebuild.trust import load_trust_config
+from imagebuild.admission import policies
+from imagebuild.config.trust import load_trust_config
+from imagebuild.core.runner import TOOLS_DIR
+from imagebuild.trust.attest import KINDS
 
 from .conftest import REPO, imagebuild
 from .oci_servers import RecordingServer
@@ -256,7 +256,7 @@ def test_tester_applies_the_attestation_requirements(policy_tester: str, attesta
 
 def test_verify_admits_and_refuses_the_same_images_as_the_tester(policy_tester: str, single_key_policy: Path,
                                                                  images: dict[str, str]) -> None:
-    from imagebuild.verify import Verifier  # the verify helper's module (imagebuild/verify.py)
+    from imagebuild.trust.verify import Verifier  # the verify helper's module (imagebuild/trust/verify.py)
 
     config = load_trust_config(single_key_policy.parent.parent / "trust.yaml")
     verifier = Verifier(config, check_attestations=False)
@@ -269,7 +269,7 @@ def test_verify_admits_and_refuses_the_same_images_as_the_tester(policy_tester: 
 def test_verify_applies_the_same_attestation_requirements_as_the_tester(policy_tester: str,
                                                                         attestation_policy: Path,
                                                                         attested: dict[str, str]) -> None:
-    from imagebuild.verify import Verifier
+    from imagebuild.trust.verify import Verifier
 
     config = load_trust_config(attestation_policy.parent.parent / "trust.yaml")
     verifier = Verifier(config, check_attestations=True)
@@ -284,7 +284,7 @@ def test_verify_applies_the_same_attestation_requirements_as_the_tester(policy_t
 
 def provenance_predicate(build_type: str) -> dict:
     """A SLSA v1 provenance in the shape `imagebuild sign` attaches (the fields the policies read)."""
-    from imagebuild.provenance import LOCAL_BUILDER
+    from imagebuild.trust.provenance import LOCAL_BUILDER
 
     return {"buildDefinition": {"buildType": build_type, "externalParameters": {"variant": {"id": "tiny"}}},
             "runDetails": {"builder": {"id": LOCAL_BUILDER}, "metadata": {"invocationId": "e2e"}}}
@@ -292,8 +292,8 @@ def provenance_predicate(build_type: str) -> dict:
 
 def test_a_policy_requiring_provenance_admits_only_images_with_imagebuilds_provenance(
         policy_tester: str, namespace: str, cosign_cli: Cosign, our_key: KeyPair, tmp_path: Path) -> None:
-    from imagebuild.provenance import BUILD_TYPE
-    from imagebuild.verify import Verifier
+    from imagebuild.trust.provenance import BUILD_TYPE
+    from imagebuild.trust.verify import Verifier
 
     made = {name: pushed(tmp_path, f"{namespace}/provenance/{name}:t")
             for name in ("with-provenance", "without", "foreign-build")}
@@ -396,7 +396,7 @@ def test_a_signed_image_spelled_with_its_host_in_other_case_is_never_admitted_un
     """On loopback, for real: the trust file names localhost:5000; the webhook reads LOCALHOST:5000
     as the same registry and verifies the signature; policy-controller, which cannot list other
     cases, refuses it as uncovered. Neither admits it unverified."""
-    from imagebuild.verify import Verifier
+    from imagebuild.trust.verify import Verifier
 
     port = staging_registry.rsplit(":", 1)[1]
     path = images["signed"].split("/", 1)[1]  # <namespace path>/app/signed@sha256:...

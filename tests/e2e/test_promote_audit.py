@@ -14,10 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild import push_plan, trust
-from imagebuild.push import Promoter
-from imagebuild.registry import ImageRef
-from imagebuild.verify import DSSE_MEDIA_TYPE, signature_tag
+from imagebuild.config import trust
+from imagebuild.oci.client import ImageRef
+from imagebuild.release import push_plan
+from imagebuild.release.push import Promoter
+from imagebuild.trust.verify import DSSE_MEDIA_TYPE, signature_tag
 
 from .conftest import COSIGN_PUB, STAGING
 

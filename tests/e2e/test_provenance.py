@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import jsonschema
 
-from imagebuild.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
-from imagebuild.provenance import BUILD_TYPE, canonical_sha256
+from imagebuild.trust.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
+from imagebuild.trust.provenance import BUILD_TYPE, canonical_sha256
 
 from .conftest import STAGING, imagebuild, trust_config
 from .tools import COSIGN_VERIFY_OFFLINE, Image, crane

@@ -1,4 +1,4 @@
-"""The layer push (imagebuild/publish.py) against the real engine and the staging registry.
+"""The layer push (imagebuild/build/publish.py) against the real engine and the staging registry.
 
 Each test builds small images of its own FROM the local base image and pushes them to a
 repository of its own, so nothing here touches what other tests or people pushed.
@@ -18,8 +18,8 @@ import docker
 import httpx
 import pytest
 
-from imagebuild.layerstore import EngineStorage
-from imagebuild.publish import (
+from imagebuild.build.layerstore import EngineStorage
+from imagebuild.build.publish import (
     DOCKER_LAYER,
     DOCKER_MANIFEST,
     SAVE,
@@ -28,8 +28,8 @@ from imagebuild.publish import (
     legacy_layer_ids,
     publish,
 )
-from imagebuild.registry import ImageRef
-from imagebuild.tools import docker_cli
+from imagebuild.core.runner import docker_cli
+from imagebuild.oci.client import ImageRef
 
 from .conftest import STAGING, unique
 

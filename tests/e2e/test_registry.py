@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from imagebuild.oci_copy import CopyOptions, copy_image
-from imagebuild.oci_locations import BlobLocations
-from imagebuild.registry import OCI_INDEX, ImageRef, Registry, RegistryError, head_many
+from imagebuild.oci.client import OCI_INDEX, ImageRef, Registry, RegistryError, head_many
+from imagebuild.oci.copy import CopyOptions, copy_image, copy_within
+from imagebuild.oci.locations import BlobLocations
 
 from .conftest import STAGING, unique
 from .oci_servers import RecordingServer
@@ -56,7 +56,7 @@ def test_copy_within_tags_another_repository_without_pushing_blobs_again(staging
     source, target = f"e2e/{unique('src')}", f"e2e/{unique('dst')}"
     with Registry(STAGING) as registry:
         digest = _push_tiny_image(registry, source, ["v1"])
-        assert registry.copy_within(source, digest, target, "release") == digest
+        assert copy_within(registry, source, digest, target, "release") == digest
         assert registry.head_manifest(target, "release") == digest
     # An independent reader agrees.
     response = httpx.head(f"http://{STAGING}/v2/{target}/manifests/release", headers={"Accept": MANIFEST})

@@ -22,13 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild import rollout
-from imagebuild.registry import Registry
-from imagebuild.release import load_release
-from imagebuild.rollout import Runtime, StepPhase, Timing
-from imagebuild.rollout_plan import Step
-from imagebuild.trust import load_trust_config
-from imagebuild.verify import Verifier
+from imagebuild.config.release_file import load_release
+from imagebuild.config.trust import load_trust_config
+from imagebuild.oci.client import Registry
+from imagebuild.rollout import reconciler as rollout
+from imagebuild.rollout.plan import Step
+from imagebuild.rollout.reconciler import Runtime, StepPhase, Timing
+from imagebuild.trust.verify import Verifier
 
 from ..conftest import REPO_ROOT
 from .conftest import REGIONS, STAGING, require_registry
@@ -134,8 +134,9 @@ class Setup:
         return json.loads(run.stdout)
 
     def record(self, rollout_id: str) -> dict:
-        from imagebuild.release import load_release
-        from imagebuild.rollout import load_record, open_store
+        from imagebuild.config.release_file import load_release
+        from imagebuild.rollout.reconciler import load_record
+        from imagebuild.rollout.state import open_store
 
         config = load_release(self.release)
         return load_record(open_store(config), rollout_id, config)

@@ -18,9 +18,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from imagebuild import quarantine
-from imagebuild.release import load_release
-from imagebuild.rollout import RECORD_TYPE, StateStore, open_store, record_tag
+from imagebuild.config.release_file import load_release
+from imagebuild.rollout import quarantine
+from imagebuild.rollout.reconciler import record_tag
+from imagebuild.rollout.state import RECORD_TYPE, StateStore, open_store
 
 from .conftest import REGIONS, STAGING, require_registry
 from .oci_servers import FlakyProxy
@@ -309,7 +310,7 @@ def test_a_state_blob_whose_content_does_not_match_its_digest_is_refused(tmp_pat
 
 
 def test_a_lease_that_cannot_be_read_holds_the_channel_and_is_shown_escaped(tmp_path):
-    from imagebuild.rollout import LEASE_TYPE, state_tag
+    from imagebuild.rollout.state import LEASE_TYPE, state_tag
 
     setup = Setup(tmp_path)
     setup.write(CANARY_ONLY)

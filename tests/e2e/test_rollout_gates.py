@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.release import ApprovalGate, HttpGate, PrometheusGate, Region, SignatureGate, SmokeGate, SoakGate
-from imagebuild.rollout_gates import GateContext, GateOutcome, evaluate
-from imagebuild.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
+from imagebuild.config.release_file import (
+    ApprovalGate,
+    HttpGate,
+    PrometheusGate,
+    Region,
+    SignatureGate,
+    SmokeGate,
+    SoakGate,
+)
+from imagebuild.config.trust import Mode, Requirements, TrustConfig, trust_config_for_keys
+from imagebuild.rollout.gates import GateContext, GateOutcome, evaluate
 
 from .rollout_harness import HANG, HealthServer, closed_port_url, self_signed_tls, unique_metric
 from .tools import crane, push_tiny_image

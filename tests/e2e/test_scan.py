@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.tools import docker_cli
+from imagebuild.core.runner import docker_cli
 
 from .conftest import (
     EXAMPLE,

@@ -21,8 +21,8 @@ SELECTORS = [("cudnn=8.6",), ("cuda=cpu",), ("os=debian12",), ("python=3.11,3.12
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
     """pytest for the containers, installed once (test never starts a container here)."""
-    from imagebuild.smoke_run import ensure_harness
-    from imagebuild.tools import ToolMissing
+    from imagebuild.checks.smoke_run import ensure_harness
+    from imagebuild.core.runner import ToolMissing
 
     try:
         return ensure_harness(tmp_path_factory.mktemp("harness"))

@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from imagebuild.attest import (
+from imagebuild.oci.client import ImageRef, Registry
+from imagebuild.oci.copy import copy_within
+from imagebuild.trust.attest import (
     PREDICATE_GATE,
     PREDICATE_PROVENANCE,
     PREDICATE_RELEASE,
@@ -25,7 +27,6 @@ from imagebuild.attest import (
     PREDICATE_SMOKE,
     PREDICATE_VULN,
 )
-from imagebuild.registry import ImageRef, Registry
 
 from .conftest import REPO, STAGING, imagebuild, sign_workdir, unique
 
@@ -192,7 +193,7 @@ def own_copy(signed_example, tmp_path: Path, image: str | None = None) -> tuple[
         source = ImageRef.parse(variant["image"])
         repository = f"imagebuild-e2e/{unique('sign')}"
         with Registry(STAGING) as client:
-            client.copy_within(source.repository, source.digest, repository, "signed")
+            copy_within(client, source.repository, source.digest, repository, "signed")
         image = f"{STAGING}/{repository}@{source.digest}"
     variant["image"] = image
     variant["images"] = [f"{image.split('@', 1)[0]}:signed"]

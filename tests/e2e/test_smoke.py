@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.smoke import require_smoke_passed
-from imagebuild.smoke_run import host_has_gpu
+from imagebuild.checks.smoke import require_smoke_passed
+from imagebuild.checks.smoke_run import host_has_gpu
 
 from .conftest import EXAMPLE, STAGING, Run, copy_matrix, imagebuild, unique
 

@@ -267,8 +267,8 @@ def test_an_unexcepted_critical_in_the_vuln_attestation_is_refused_and_an_except
 
 
 def test_a_cached_verdict_never_outlives_a_moved_tag(push, cosign_cli, our_key):
-    from imagebuild.trust import trust_config_for_keys
-    from imagebuild.verify import Verifier
+    from imagebuild.config.trust import trust_config_for_keys
+    from imagebuild.trust.verify import Verifier
 
     signed = push()
     cosign_cli.sign(signed, our_key)
@@ -281,8 +281,8 @@ def test_a_cached_verdict_never_outlives_a_moved_tag(push, cosign_cli, our_key):
 
 
 def test_verdicts_are_cached_by_digest_for_the_ttl(push, cosign_cli, our_key):
-    from imagebuild.trust import trust_config_for_keys
-    from imagebuild.verify import Verifier
+    from imagebuild.config.trust import trust_config_for_keys
+    from imagebuild.trust.verify import Verifier
 
     image = push()
     cosign_cli.sign(image, our_key)
@@ -295,8 +295,8 @@ def test_verdicts_are_cached_by_digest_for_the_ttl(push, cosign_cli, our_key):
 
 
 def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign_cli, our_key):
-    from imagebuild.trust import trust_config_for_keys
-    from imagebuild.verify import Verifier
+    from imagebuild.config.trust import trust_config_for_keys
+    from imagebuild.trust.verify import Verifier
 
     signed, unsigned = push(tag="signed"), push(tag="unsigned")
     cosign_cli.sign(signed, our_key)

@@ -26,7 +26,7 @@ import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from imagebuild.provenance import canonical_sha256
+from imagebuild.trust.provenance import canonical_sha256
 
 from .conftest import REPO, imagebuild, trust_config
 from .test_verify import STRICT, attest_all, covering, refused_line, vuln_predicate

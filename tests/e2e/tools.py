@@ -34,7 +34,7 @@ COSIGN_TYPE_FLAG = {"sbom": "cyclonedx", "vuln": "vuln", "smoke": TYPES["smoke"]
 
 def tool(name: str) -> str:
     """The pinned binary bootstrap installs (crane, cosign, ...); the test fails, saying how to get it, without it."""
-    from imagebuild.tools import TOOLS_DIR
+    from imagebuild.core.runner import TOOLS_DIR
 
     path = TOOLS_DIR / name
     if not os.access(path, os.X_OK):

@@ -1,0 +1,408 @@
+"""The local Debian base image, built so that the same package set gives the same digest.
+
+`docker import` stamps the import time into the image config, so every machine got its own
+base digest and with it its own layer keys. Here the image is assembled by hand instead:
+mmdebstrap writes the rootfs tar (byte for byte the same for the same packages, because
+SOURCE_DATE_EPOCH clamps every time in it), gzip without a name or time compresses it, and
+the config carries that same fixed time. Blobs go to the registry first, the manifest last,
+so a tag never points at an unfinished image.
+
+The packages come from the suite and its -updates and -security suites, found in the
+machine's own apt configuration (a site with its own mirror needs no change here), or from
+IMAGEBUILD_BASE_MIRROR / IMAGEBUILD_BASE_SECURITY_MIRROR.
+
+    python -m imagebuild.build.baseimage build --workdir DIR [--push REGISTRY/REPO:TAG]
+
+Everything up to the push uses the standard library only, so the same build runs inside a
+bare container with nothing but python3 and mmdebstrap.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from imagebuild.oci.client import ImageRef, Registry, RegistryError
+
+MIRROR_ENV = "IMAGEBUILD_BASE_MIRROR"
+SECURITY_MIRROR_ENV = "IMAGEBUILD_BASE_SECURITY_MIRROR"
+
+MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_TYPE = "application/vnd.docker.container.image.v1+json"
+LAYER_TYPE = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+
+# The host's /etc/hostname and /etc/resolv.conf would be copied into the rootfs; they differ
+# per machine (docker supplies both at run time).
+ROOTFS_HOOK = 'rm -f "$1/etc/hostname" "$1/etc/resolv.conf"'
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# zlib's default level: every zlib gives the same bytes for the same input and level.
+GZIP_LEVEL = 6
+
+
+class BaseImageError(Exception):
+    """The base image could not be built or pushed; the message says why."""
+
+
+class SourcesError(BaseImageError):
+    """The apt configuration does not name what the base image needs (bad input: exit 2)."""
+
+
+class ToolMissingError(BaseImageError):
+    """A program the build needs is not installed (exit 3)."""
+
+
+# --- apt sources (pure) -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AptSource:
+    uri: str
+    suite: str
+    components: tuple[str, ...]
+    origin: str  # file:line it came from, for messages
+
+    def line(self) -> str:
+        """The one-line form mmdebstrap takes, and writes into the image's sources.list."""
+        return f"deb {self.uri} {self.suite} {' '.join(self.components)}"
+
+
+def parse_one_line(text: str, origin: str) -> list[AptSource]:
+    """sources.list format: `deb [options] URI SUITE COMPONENT...`; deb-src and comments skipped."""
+    found = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith(("deb ", "deb\t")):
+            rest = line[3:].strip()
+            if rest.startswith("["):
+                rest = rest.partition("]")[2].strip()
+            words = rest.split()
+            if len(words) >= 3:
+                found.append(AptSource(words[0].rstrip("/"), words[1], tuple(words[2:]), f"{origin}:{number}"))
+    return found
+
+
+def parse_deb822(text: str, origin: str) -> list[AptSource]:
+    """deb822 format (*.sources): paragraphs of Types/URIs/Suites/Components; Enabled: no skipped."""
+    found = []
+    for start, fields in _paragraphs(text):
+        if fields.get("enabled", "yes").lower() == "no" or "deb" not in fields.get("types", "").split():
+            continue
+        components = tuple(fields.get("components", "").split())
+        for uri in fields.get("uris", "").split():
+            for suite in fields.get("suites", "").split():
+                found.append(AptSource(uri.rstrip("/"), suite, components, f"{origin}:{start}"))
+    return found
+
+
+def _paragraphs(text: str) -> list[tuple[int, dict[str, str]]]:
+    paragraphs: list[tuple[int, dict[str, str]]] = []
+    fields: dict[str, str] = {}
+    start, key = 0, ""
+    for number, line in enumerate(text.splitlines() + [""], 1):
+        if line.startswith("#"):
+            continue
+        if not line.strip():
+            if fields:
+                paragraphs.append((start, fields))
+            fields, key = {}, ""
+            continue
+        if line[0] in " \t":
+            if key:  # a continuation line (e.g. an inline Signed-By key): kept, never used here
+                fields[key] += "\n" + line.strip()
+            continue
+        name, _, value = line.partition(":")
+        if not fields:
+            start = number
+        key = name.strip().lower()
+        fields[key] = value.strip()
+    return paragraphs
+
+
+def host_sources(apt_dir: Path = Path("/etc/apt")) -> list[AptSource]:
+    """Every `deb` entry apt itself would read: sources.list, sources.list.d/*.list and *.sources."""
+    found: list[AptSource] = []
+    main = apt_dir / "sources.list"
+    if main.is_file():
+        found += parse_one_line(main.read_text(), str(main))
+    parts = apt_dir / "sources.list.d"
+    if parts.is_dir():
+        for path in sorted(parts.iterdir()):
+            if path.suffix == ".list":
+                found += parse_one_line(path.read_text(), str(path))
+            elif path.suffix == ".sources":
+                found += parse_deb822(path.read_text(), str(path))
+    return found
+
+
+def base_sources(available: list[AptSource], suite: str, env: dict[str, str] | None = None,
+                 component: str = "main") -> list[AptSource]:
+    """The suite, its point-release updates and its security updates, `component` only, in that order.
+
+    IMAGEBUILD_BASE_MIRROR replaces the URI of the first two, IMAGEBUILD_BASE_SECURITY_MIRROR
+    that of the security suite. Every one of the three must be found (or given)."""
+    env = dict(os.environ if env is None else env)
+    wanted = [(suite, MIRROR_ENV), (f"{suite}-updates", MIRROR_ENV), (f"{suite}-security", SECURITY_MIRROR_ENV)]
+    chosen = []
+    for name, variable in wanted:
+        override = env.get(variable, "").strip()
+        if override:
+            chosen.append(AptSource(override.rstrip("/"), name, (component,), f"${variable}"))
+            continue
+        match = next((s for s in available if s.suite == name and component in s.components), None)
+        if match is None:
+            raise SourcesError(
+                f"no apt source for '{name}' ({component}) in the machine's apt configuration "
+                f"(/etc/apt/sources.list, /etc/apt/sources.list.d/): the base image needs {suite}, "
+                f"{suite}-updates and {suite}-security; add them there or set {variable}")
+        chosen.append(AptSource(match.uri, name, (component,), match.origin))
+    return chosen
+
+
+# --- the rootfs -------------------------------------------------------------------------------------
+
+
+def mmdebstrap(sources: list[AptSource], suite: str, include: str, epoch: int, target: Path, log: Path) -> None:
+    """A minimal Debian rootfs tar. No device nodes: the container runtime supplies /dev."""
+    exe = shutil.which("mmdebstrap")
+    if exe is None:
+        raise ToolMissingError("mmdebstrap is not installed (Debian: apt-get install mmdebstrap; "
+                               "scripts/bootstrap.sh installs it)")
+    partial = target.with_name(target.name + ".partial")
+    command = [exe, "--variant=minbase", "--format=tar", "--skip=output/dev", f"--include={include}",
+               f"--customize-hook={ROOTFS_HOOK}", suite, str(partial), *(s.line() for s in sources)]
+    with log.open("wb") as out:
+        proc = subprocess.run(command, check=False, stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL,
+                              env={**os.environ, "SOURCE_DATE_EPOCH": str(epoch)})
+    if proc.returncode != 0:
+        partial.unlink(missing_ok=True)
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise BaseImageError(f"mmdebstrap failed (log: {log}):\n" + "\n".join(tail))
+    partial.replace(target)
+
+
+def installed_packages(rootfs: Path) -> list[str]:
+    """`name=version` of every installed package, from the rootfs's dpkg status, sorted."""
+    with tarfile.open(rootfs) as tar:
+        member = next((m for m in tar if m.name.lstrip("./") == "var/lib/dpkg/status"), None)
+        if member is None:
+            raise BaseImageError(f"{rootfs} holds no var/lib/dpkg/status")
+        data = tar.extractfile(member)
+        text = data.read().decode() if data else ""
+    packages = []
+    for _, fields in _paragraphs(text):
+        if fields.get("status", "").endswith(" installed"):
+            packages.append(f"{fields['package']}={fields['version']}")
+    return sorted(packages)
+
+
+# --- the image (deterministic) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Blob:
+    digest: str
+    size: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class Image:
+    manifest: bytes
+    config: Blob
+    layer: Blob
+    diff_id: str  # sha256 of the uncompressed rootfs tar
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + hashlib.sha256(self.manifest).hexdigest()
+
+
+def canonical_json(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def image_config(diff_id: str, epoch: int, architecture: str, created_by: str) -> dict[str, Any]:
+    created = dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "architecture": architecture,
+        "os": "linux",
+        "created": created,
+        "config": {"Cmd": ["/bin/bash"], "Env": [PATH_ENV]},
+        "history": [{"created": created, "created_by": created_by}],
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+    }
+
+
+def manifest(config: Blob, layer: Blob) -> bytes:
+    return canonical_json({
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_TYPE,
+        "config": {"mediaType": CONFIG_TYPE, "size": config.size, "digest": config.digest},
+        "layers": [{"mediaType": LAYER_TYPE, "size": layer.size, "digest": layer.digest}],
+    })
+
+
+def compress(rootfs: Path, target: Path) -> tuple[str, Blob]:
+    """gzip with no file name and time 0; returns (diff_id of the tar, the compressed blob)."""
+    tar_hash, gz_hash = hashlib.sha256(), hashlib.sha256()
+
+    class Hashing(io.RawIOBase):
+        def __init__(self, out: BinaryIO) -> None:
+            self.out = out
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            gz_hash.update(data)
+            return self.out.write(data)
+
+    with rootfs.open("rb") as src, target.open("wb") as raw:
+        sink = Hashing(raw)
+        with gzip.GzipFile(filename="", mode="wb", fileobj=sink, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+            while chunk := src.read(1 << 20):
+                tar_hash.update(chunk)
+                gz.write(chunk)
+    return "sha256:" + tar_hash.hexdigest(), Blob("sha256:" + gz_hash.hexdigest(), target.stat().st_size, target)
+
+
+def compose(rootfs: Path, out_dir: Path, epoch: int, architecture: str, created_by: str) -> Image:
+    """The image's blobs and manifest in out_dir (layer.tar.gz, config.json, manifest.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    diff_id, layer = compress(rootfs, out_dir / "layer.tar.gz")
+    config_bytes = canonical_json(image_config(diff_id, epoch, architecture, created_by))
+    config_path = out_dir / "config.json"
+    config_path.write_bytes(config_bytes)
+    config = Blob("sha256:" + hashlib.sha256(config_bytes).hexdigest(), len(config_bytes), config_path)
+    raw = manifest(config, layer)
+    (out_dir / "manifest.json").write_bytes(raw)
+    return Image(raw, config, layer, diff_id)
+
+
+def dpkg_architecture() -> str:
+    try:
+        return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ToolMissingError(f"dpkg --print-architecture failed: {exc}") from None
+
+
+# OCI/Docker names of Debian architectures that differ (the rest are the same word).
+_OCI_ARCH = {"armhf": "arm", "i386": "386", "ppc64el": "ppc64le"}
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    image: Image
+    sources: list[AptSource]
+    packages: list[str]
+    rootfs: Path
+
+
+def build(workdir: Path, suite: str, include: str, epoch: int, sources: list[AptSource]) -> BuildResult:
+    """mmdebstrap, then the deterministic image, all inside workdir (kept: a rerun reuses the rootfs)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rootfs = workdir / "rootfs.tar"
+    if not rootfs.is_file():
+        mmdebstrap(sources, suite, include, epoch, rootfs, workdir / "mmdebstrap.log")
+    packages = installed_packages(rootfs)
+    (workdir / "packages.txt").write_text("".join(f"{p}\n" for p in packages))
+    arch = dpkg_architecture()
+    created_by = (f"mmdebstrap --variant=minbase --include={include} {suite} "
+                  f"({', '.join(s.suite for s in sources)}; {len(packages)} packages)")
+    image = compose(rootfs, workdir / "image", epoch, _OCI_ARCH.get(arch, arch), created_by)
+    return BuildResult(image, sources, packages, rootfs)
+
+
+# --- the push ---------------------------------------------------------------------------------------
+
+
+def push(image: Image, reference: str) -> str:
+    """Blobs first (skipped when present), then the manifest under the tag; returns the digest."""
+
+    ref = ImageRef.parse(reference)
+    try:
+        with Registry(ref.registry, timeout=300) as registry:
+            for blob in (image.layer, image.config):
+                _upload(registry, ref.repository, blob)
+            digest = registry.put_manifest(ref.repository, ref.tag or "latest", image.manifest, MANIFEST_TYPE)
+    except RegistryError as exc:
+        raise BaseImageError(f"pushing {reference}: {exc}") from None
+    if digest and digest != image.digest:
+        raise BaseImageError(f"the registry stored {reference} as {digest}, not {image.digest}")
+    return image.digest
+
+
+def _upload(registry: Registry, repository: str, blob: Blob) -> None:
+
+    if registry._request("HEAD", f"/v2/{repository}/blobs/{blob.digest}").status_code == 200:
+        return
+    start = registry._request("POST", f"/v2/{repository}/blobs/uploads/")
+    if start.status_code != 202:
+        raise RegistryError(f"starting an upload to {repository} answered {start.status_code}")
+    location = start.headers["location"]  # carries the upload's state in its query: keep it
+    done = registry._request("PUT", f"{location}{'&' if '?' in location else '?'}digest={blob.digest}",
+                             content=blob.path.read_bytes(), headers={"Content-Type": "application/octet-stream"})
+    if done.status_code != 201:
+        raise RegistryError(f"uploading {blob.digest} to {repository} answered {done.status_code}")
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m imagebuild.build.baseimage",
+                                     description="Build the local Debian base image reproducibly.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="mmdebstrap + a deterministic image; --push sends it to a registry")
+    b.add_argument("--workdir", type=Path, required=True, help="rootfs, blobs and package list go here")
+    b.add_argument("--suite", default="bookworm")
+    b.add_argument("--include", default="ca-certificates")
+    b.add_argument("--epoch", type=int, default=int(os.environ.get("SOURCE_DATE_EPOCH", "0")),
+                   help="SOURCE_DATE_EPOCH: every time in the rootfs and the config")
+    b.add_argument("--apt-dir", type=Path, default=Path("/etc/apt"), help="where the mirror is read from")
+    b.add_argument("--push", metavar="REGISTRY/REPO:TAG", help="push the image here (blobs, then manifest)")
+    s = sub.add_parser("sources", help="print the apt sources the base image would use")
+    s.add_argument("--suite", default="bookworm")
+    s.add_argument("--apt-dir", type=Path, default=Path("/etc/apt"))
+    args = parser.parse_args(argv)
+    try:
+        sources = base_sources(host_sources(args.apt_dir), args.suite)
+        if args.command == "sources":
+            for source in sources:
+                print(f"{source.line()}    # {source.origin}")
+            return 0
+        result = build(args.workdir, args.suite, args.include, args.epoch, sources)
+        digest = push(result.image, args.push) if args.push else result.image.digest
+    except SourcesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ToolMissingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except BaseImageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"digest": digest, "reference": args.push, "packages": len(result.packages),
+                      "sources": [s.line() for s in result.sources],
+                      "diff_id": result.image.diff_id,
+                      "workdir": str(args.workdir)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,575 @@
+"""Pushing a built layer image to the registry without `docker push`.
+
+`docker push` (engine 20.10) gzips each layer at Go's default level on one core: measured
+here, 3 GB of layers took ten minutes on a busy 2-core machine. Instead the layers the
+image's parent already has in the registry are skipped, the new ones are hashed and gzipped
+with ISA-L on every core, uploaded as blobs, and a Docker v2 schema 2 manifest (what Docker
+20.10 and containerd pull) is put last, so the tag never points at a missing blob.
+
+The bytes come from the engine's own storage when this process can read it (layerstore.py:
+the config by image id, each new layer's tar rebuilt from its tar-split record), so a layer
+costs what it adds, not its chain; each is checked against the image id and diff_ids as it
+streams. Whatever the storage cannot give (another host, another driver, a layer that does
+not hash right) comes from `docker save` instead, which copies the whole chain first.
+
+The engine's save format (docker 20.10): one `<v1 id>/layer.tar` per layer, in the lexical
+order of the v1 ids, the image config as `<image id>.json`, and `manifest.json` last. The v1
+ids are derived from the layer chain (see `legacy_layer_ids`), so a layer is known to be new
+or not before its bytes arrive; every new layer's diff_id and the final manifest.json are
+checked against the engine's own record, so a wrong guess fails loudly instead of pushing a
+wrong image.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from imagebuild.build.layerstore import EngineStorage, StorageUnreadable
+from imagebuild.oci.client import ImageRef, Registry, RegistryError
+
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+
+# ISA-L level 1: measured on 1.2 GB of ELF binaries here, 258 MB/s on one core against zlib's
+# 50 MB/s at level 1 and 14 MB/s at level 6, for a blob 14% larger than level 6's.
+COMPRESSION_LEVEL = 1
+CHUNK = 1 << 20
+
+
+class PublishError(Exception):
+    """The image could not be pushed; the message says why."""
+
+
+class UnsupportedSave(PublishError):
+    """The engine's `docker save` stream is not in a format this module knows."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mediaType": self.media_type, "size": self.size, "digest": self.digest}
+
+
+@dataclass
+class PushResult:
+    digest: str  # the manifest digest, as the registry computed it
+    steps: dict[str, float] = field(default_factory=dict)  # seconds: export_s, compress_s, upload_s
+    uploaded: int = 0  # blobs sent
+    uploaded_bytes: int = 0
+    present: int = 0  # blobs the registry had already (parent layers, or a rerun)
+    source: str = "docker save"  # where the config and new layers were read: STORAGE or SAVE
+    notes: list[str] = field(default_factory=list)  # why the engine's storage was not used, if so
+
+
+# --- pure parts -------------------------------------------------------------------------
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """The layer chain IDs: the first diff_id, then sha256 of "<parent chain id> <diff_id>"."""
+    chain: list[str] = []
+    for diff_id in diff_ids:
+        chain.append(diff_id if not chain else
+                     "sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    return chain
+
+
+def _go_json(value: Any) -> str:
+    # Go's encoding/json: compact, UTF-8 kept, <, > and & escaped.
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def legacy_layer_ids(template: dict[str, Any], diff_ids: list[str]) -> list[str]:
+    """The `docker save` directory names (v1 ids) of every layer but the top one.
+
+    Docker 20.10 names each non-top layer's directory by sha256 of a small v1 image JSON
+    (the `json` file in that directory, less id, parent and os) with the layer's chain id
+    and the parent's v1 id added, keys sorted. The top layer carries the full image config
+    instead, which is how the caller tells it apart.
+    """
+    base = {k: v for k, v in template.items() if k not in ("id", "parent", "os")}
+    ids: list[str] = []
+    for chain_id in chain_ids(diff_ids)[:-1]:
+        fields = dict(base, layer_id=chain_id)
+        if ids:
+            fields["parent"] = "sha256:" + ids[-1]
+        text = "{" + ",".join(f"{_go_json(k)}:{_go_json(fields[k])}" for k in sorted(fields)) + "}"
+        ids.append(hashlib.sha256(text.encode()).hexdigest())
+    return ids
+
+
+def reusable_layers(manifest: dict[str, Any], config: dict[str, Any]) -> dict[str, Descriptor]:
+    """diff_id -> the gzip blob a registry image already holds for it (none for other encodings)."""
+    diff_ids = config.get("rootfs", {}).get("diff_ids") or []
+    layers = manifest.get("layers") or []
+    if len(diff_ids) != len(layers):
+        return {}
+    found: dict[str, Descriptor] = {}
+    for diff_id, layer in zip(diff_ids, layers):
+        if layer.get("mediaType") in (DOCKER_LAYER, OCI_LAYER_GZIP):
+            # The same bytes under Docker's name: a schema 2 manifest lists Docker media types.
+            found.setdefault(diff_id, Descriptor(DOCKER_LAYER, layer["digest"], int(layer["size"])))
+    return found
+
+
+def schema2_manifest(config: Descriptor, layers: list[Descriptor]) -> bytes:
+    """The Docker v2 schema 2 manifest: what Docker 20.10 and containerd pull."""
+    return json.dumps({
+        "schemaVersion": 2,
+        "mediaType": DOCKER_MANIFEST,
+        "config": config.to_json(),
+        "layers": [layer.to_json() for layer in layers],
+    }, indent=3).encode()
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# --- streaming the image out of the engine --------------------------------------------
+
+
+class _ChunkReader(io.RawIOBase):
+    """A file over an iterator of byte chunks (the engine's save stream), for tarfile's "r|"."""
+
+    def __init__(self, chunks: Iterable[bytes]):
+        self._chunks: Iterator[bytes] = iter(chunks)
+        self._buffer = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        while not self._buffer:
+            try:
+                self._buffer = next(self._chunks)
+            except StopIteration:
+                return 0
+        size = min(len(target), len(self._buffer))
+        target[:size] = self._buffer[:size]
+        self._buffer = self._buffer[size:]
+        return size
+
+
+class _HashingFile(io.RawIOBase):
+    """Writes through to a file, hashing and counting what passes."""
+
+    def __init__(self, handle: IO[bytes]):
+        self.handle = handle
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        self.handle.write(data)
+        return len(data)
+
+
+@dataclass
+class _Compressed:
+    diff_id: str
+    blob: Descriptor
+    path: Path
+
+
+def _even_chunks(chunks: Iterable[bytes], size: int = CHUNK) -> Iterator[bytes]:
+    """The same bytes in pieces of exactly `size` (the last may be shorter).
+
+    igzip_threaded's output depends on how its input was cut, so the same tar must reach it
+    in the same pieces whether it came from the engine's storage or from `docker save`:
+    otherwise the same layer gets another blob digest, and the image another manifest digest.
+    """
+    pending = bytearray()
+    for chunk in chunks:
+        if not pending and len(chunk) == size:
+            yield chunk
+            continue
+        pending += chunk
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
+
+
+def _compress(chunks: Iterable[bytes], target: Path, threads: int, level: int,
+              cancelled: threading.Event) -> tuple[_Compressed, float]:
+    """gzip the stream `chunks` into `target` on `threads` cores, hashing it in the same pass:
+    (result, seconds spent compressing)."""
+    from isal import igzip_threaded  # the one module that needs ISA-L
+
+    diff = hashlib.sha256()
+    busy = 0.0
+    with target.open("wb") as handle:
+        sink = _HashingFile(handle)
+        writer = igzip_threaded.open(sink, "wb", compresslevel=level, threads=threads)  # type: ignore[no-untyped-call]
+        try:
+            for chunk in _even_chunks(chunks):
+                if cancelled.is_set():
+                    raise PublishError("interrupted")
+                diff.update(chunk)
+                started = time.monotonic()
+                writer.write(chunk)
+                busy += time.monotonic() - started
+        finally:
+            started = time.monotonic()
+            writer.close()
+            busy += time.monotonic() - started
+    blob = Descriptor(DOCKER_LAYER, "sha256:" + sink.hash.hexdigest(), sink.size)
+    return _Compressed("sha256:" + diff.hexdigest(), blob, target), busy
+
+
+# --- the registry side -------------------------------------------------------------------
+
+
+def _blob_exists(registry: Registry, repository: str, digest: str) -> bool:
+    response = registry._request("HEAD", f"/v2/{repository}/blobs/{digest}")
+    if response.status_code not in (200, 404):
+        raise RegistryError(f"{registry.registry}/{repository}@{digest}: HEAD blob answered {response.status_code}")
+    return response.status_code == 200
+
+
+def _upload_blob(registry: Registry, repository: str, digest: str, path: Path | None = None,
+                 data: bytes | None = None) -> None:
+    """One monolithic upload: POST for a session, PUT the bytes with the digest."""
+    start = registry._request("POST", f"/v2/{repository}/blobs/uploads/")
+    if start.status_code != 202:
+        raise RegistryError(f"{registry.registry}/{repository}: starting an upload answered {start.status_code}")
+    location = start.headers["location"]
+    separator = "&" if "?" in location else "?"
+    url = f"{location}{separator}digest={digest}"
+    headers = {"Content-Type": "application/octet-stream"}
+    if path is not None:
+        headers["Content-Length"] = str(path.stat().st_size)
+        with path.open("rb") as handle:
+            response = registry._request("PUT", url, content=iter(lambda: handle.read(CHUNK), b""),
+                                         headers=headers)
+    else:
+        response = registry._request("PUT", url, content=data or b"", headers=headers)
+    if response.status_code != 201:
+        raise RegistryError(f"{registry.registry}/{repository}: uploading {digest} answered "
+                            f"{response.status_code}: {response.text[:200]}")
+
+
+class _Uploads:
+    """Blob uploads running beside the save stream; counts what was sent and what was there."""
+
+    def __init__(self, registry: Registry, repository: str):
+        self.registry, self.repository = registry, repository
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blob-upload")
+        self.futures: list[Future[Any]] = []
+        self.lock = threading.Lock()
+        self.uploaded = self.uploaded_bytes = self.present = 0
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def submit(self, digest: str, size: int, path: Path | None = None, data: bytes | None = None) -> None:
+        self.futures.append(self.pool.submit(self._one, digest, size, path, data))
+
+    def _one(self, digest: str, size: int, path: Path | None, data: bytes | None) -> None:
+        started = time.monotonic()
+        with self.lock:
+            self.first = started if self.first is None else min(self.first, started)
+        if _blob_exists(self.registry, self.repository, digest):
+            with self.lock:
+                self.present += 1
+        else:
+            _upload_blob(self.registry, self.repository, digest, path, data)
+            with self.lock:
+                self.uploaded += 1
+                self.uploaded_bytes += size
+        if path is not None:
+            path.unlink(missing_ok=True)
+        with self.lock:
+            self.last = time.monotonic()
+
+    def wait(self) -> None:
+        try:
+            for future in self.futures:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def seconds(self) -> float:
+        return (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+
+
+# --- the whole push ----------------------------------------------------------------------
+
+
+def _parent_blobs(registry: Registry, parent: ImageRef | None, target: ImageRef) -> dict[str, Descriptor]:
+    """What the parent image already has in the target's registry (empty when elsewhere)."""
+    if parent is None or parent.registry != target.registry or not parent.digest:
+        return {}
+    raw, media_type, _ = registry.get_manifest(parent.repository, parent.digest)
+    manifest = json.loads(raw)
+    if manifest.get("mediaType", media_type) not in (DOCKER_MANIFEST, OCI_MANIFEST):
+        return {}  # an index (multi-platform base): its layers are compressed here instead
+    config = json.loads(registry.get_blob(parent.repository, manifest["config"]["digest"]))
+    blobs = reusable_layers(manifest, config)
+    if parent.repository != target.repository:
+        for blob in blobs.values():  # cross-repository mount: no bytes move
+            registry.mount_blob(target.repository, blob.digest, parent.repository)
+    return blobs
+
+
+STORAGE = "engine storage"
+SAVE = "docker save"
+
+
+def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spool: Path,
+            threads: int | None = None, level: int = COMPRESSION_LEVEL, docker_client: Any = None,
+            event_hooks: dict[str, Any] | None = None, cancelled: threading.Event | None = None,
+            storage: EngineStorage | bool = True) -> PushResult:
+    """Push the local image `image` to `target` (repository and tag) and return its digest.
+
+    `parent`, the image it was built FROM (by digest), lends its blobs: only the layers it
+    lacks are compressed and uploaded. `spool` holds the compressed layers until uploaded.
+    The config and new layers are read from the engine's storage (`storage`: True to find it
+    with `docker info`, False to never read it, or the storage to read) and checked against
+    the image id and diff_ids; whatever it cannot give comes from `docker save` instead.
+    Setting `cancelled` stops the push between chunks; the tag is put last, so it is untouched.
+    """
+    import docker  # only the engine side needs the SDK
+
+    threads = threads or len(os.sched_getaffinity(0))
+    cancelled = cancelled or threading.Event()
+    client = docker_client or docker.from_env(timeout=900)
+    api = client.api
+    info = api.inspect_image(image)
+    image_id: str = info["Id"]
+    diff_ids: list[str] = list(info["RootFS"].get("Layers") or [])
+    if not diff_ids:
+        raise PublishError(f"{image}: the engine lists no layers")
+    steps: dict[str, float] = {}
+    notes: list[str] = []
+    with Registry(target.registry) as registry:
+        if event_hooks:
+            registry.client.event_hooks = event_hooks
+        reused = _parent_blobs(registry, parent, target)
+        needed = [d for d in dict.fromkeys(diff_ids) if d not in reused]
+        uploads = _Uploads(registry, target.repository)
+        compressed: dict[str, _Compressed] = {}
+        config_raw: bytes | None = None
+        source = STORAGE
+        started = time.monotonic()
+        try:
+            with tempfile.TemporaryDirectory(prefix="imagebuild-push-", dir=spool) as tmp:
+                try:
+                    engine_storage = storage if isinstance(storage, EngineStorage) else \
+                        EngineStorage.from_info(api.info()) if storage else None
+                    if engine_storage is None:
+                        raise StorageUnreadable("not asked to read it")
+                    config_raw = _from_storage(engine_storage, image, image_id, diff_ids, needed, compressed,
+                                               uploads, Path(tmp), threads, level, cancelled, steps)
+                except StorageUnreadable as exc:
+                    # Layers already checked and sent stay; the rest comes from the save stream.
+                    source = SAVE
+                    if storage is not False:
+                        notes.append(f"engine storage unusable for {image}: {exc}; using docker save")
+                    config_raw = _from_save(api, image, image_id, diff_ids, needed, compressed, uploads,
+                                            Path(tmp), threads, level, cancelled, steps)
+                steps["export_s"] = round(time.monotonic() - started, 1)
+                config = Descriptor(DOCKER_CONFIG, image_id, len(config_raw))
+                uploads.submit(config.digest, config.size, data=config_raw)
+                uploads.wait()
+        finally:
+            uploads.pool.shutdown(wait=True, cancel_futures=True)
+        blobs = {**reused, **{d: c.blob for d, c in compressed.items()}}
+        raw = schema2_manifest(config, [blobs[d] for d in diff_ids])
+        put_started = time.monotonic()
+        digest = registry.put_manifest(target.repository, target.tag or target.reference, raw, DOCKER_MANIFEST)
+        steps["upload_s"] = round(uploads.seconds + time.monotonic() - put_started, 1)
+    expected = sha256_digest(raw)
+    if digest != expected:
+        raise PublishError(f"{target}: the registry stored the manifest as {digest}, expected {expected}")
+    return PushResult(digest=digest, steps=steps, uploaded=uploads.uploaded,
+                      uploaded_bytes=uploads.uploaded_bytes, present=uploads.present, source=source, notes=notes)
+
+
+def _from_storage(storage: EngineStorage, image: str, image_id: str, diff_ids: list[str], needed: list[str],
+                  compressed: dict[str, _Compressed], uploads: _Uploads, tmp: Path, threads: int, level: int,
+                  cancelled: threading.Event, steps: dict[str, float]) -> bytes:
+    """The config, and each needed layer compressed and submitted, from the engine's storage.
+
+    Only the layers in `needed` are read. Each is hashed while it is compressed and sent only
+    when it hashes to its diff_id; any other outcome is StorageUnreadable.
+    """
+    config_raw = storage.image_config(image_id)
+    if json.loads(config_raw).get("rootfs", {}).get("diff_ids") != diff_ids:
+        raise StorageUnreadable(f"{image}: the stored config lists other layers than the engine")
+    chains = dict(zip(diff_ids, chain_ids(diff_ids)))
+    steps.setdefault("compress_s", 0.0)  # every push reports the same steps, a label-only image's too
+    for diff_id in needed:
+        if diff_id in compressed:
+            continue
+        done, busy = _compress(storage.layer_tar(chains[diff_id], diff_id), tmp / f"{len(compressed)}.gz",
+                               threads, level, cancelled)
+        steps["compress_s"] = round(steps.get("compress_s", 0.0) + busy, 1)
+        if done.diff_id != diff_id:
+            done.path.unlink(missing_ok=True)
+            raise StorageUnreadable(f"layer {diff_ids.index(diff_id)} of {image} rebuilt from storage hashes to "
+                                    f"{done.diff_id}, the engine says {diff_id}")
+        compressed[diff_id] = done
+        uploads.submit(done.blob.digest, done.blob.size, path=done.path)
+    return config_raw
+
+
+def _from_save(api: Any, image: str, image_id: str, diff_ids: list[str], needed: list[str],
+               compressed: dict[str, _Compressed], uploads: _Uploads, tmp: Path, threads: int, level: int,
+               cancelled: threading.Event, steps: dict[str, float]) -> bytes:
+    """The config, and each needed layer not yet in `compressed`, from the `docker save` stream."""
+    save_order: list[str] | None = None
+    positions: dict[str, int] = {}  # save directory -> layer index
+    v1_ids: list[str] | None = None
+    config_raw: bytes | None = None
+    compress_s = 0.0
+    stream = io.BufferedReader(_ChunkReader(api.get_image(image, chunk_size=CHUNK)), CHUNK)
+    with tarfile.open(fileobj=stream, mode="r|") as archive:
+        for member in archive:
+            if cancelled.is_set():
+                raise PublishError("interrupted")
+            name = member.name
+            directory, _, leaf = name.rpartition("/")
+            if name.startswith("blobs/") or name in ("index.json", "oci-layout"):
+                raise UnsupportedSave("the engine saves images as an OCI layout (docker >= 25); "
+                                      "this push reads docker 20.10's format")
+            if leaf == "json" and directory and member.isfile():
+                meta = json.loads(_read(archive, member))
+                if "config" in meta:  # only the top layer carries the image config
+                    positions[directory] = len(diff_ids) - 1
+                else:
+                    if v1_ids is None:
+                        v1_ids = legacy_layer_ids(meta, diff_ids)
+                    if directory not in v1_ids:
+                        raise UnsupportedSave(f"save directory {directory} matches no layer of {image}")
+                    positions[directory] = v1_ids.index(directory)
+            elif leaf == "layer.tar" and member.isfile():
+                if directory not in positions:
+                    raise UnsupportedSave(f"{name} came before its json")
+                diff_id = diff_ids[positions[directory]]
+                if diff_id in needed and diff_id not in compressed:
+                    source = archive.extractfile(member)
+                    assert source is not None
+                    done, busy = _compress(iter(functools.partial(source.read, CHUNK), b""),
+                                           tmp / f"{len(compressed)}.gz", threads, level, cancelled)
+                    compress_s += busy
+                    if done.diff_id != diff_id:
+                        raise PublishError(f"layer {positions[directory]} of {image}: the saved "
+                                           f"bytes hash to {done.diff_id}, the engine says {diff_id}")
+                    compressed[diff_id] = done
+                    uploads.submit(done.blob.digest, done.blob.size, path=done.path)
+            elif name == image_id.split(":", 1)[1] + ".json":
+                config_raw = _read(archive, member)
+            elif name == "manifest.json":
+                entries = json.loads(_read(archive, member))
+                save_order = [layer.split("/")[0] for layer in entries[0]["Layers"]]
+    steps["compress_s"] = round(steps.get("compress_s", 0.0) + compress_s, 1)
+    _check_save(image, image_id, diff_ids, positions, save_order, config_raw, needed, compressed)
+    assert config_raw is not None
+    return config_raw
+
+
+def _read(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    handle = archive.extractfile(member)
+    assert handle is not None
+    return handle.read()
+
+
+def _check_save(image: str, image_id: str, diff_ids: list[str], positions: dict[str, int],
+                save_order: list[str] | None, config_raw: bytes | None, needed: list[str],
+                compressed: dict[str, _Compressed]) -> None:
+    """The stream must have been what the engine says the image is: same config, same layer order."""
+    if config_raw is None or sha256_digest(config_raw) != image_id:
+        raise PublishError(f"{image}: the saved image config is missing or does not hash to {image_id}")
+    if save_order is None or len(save_order) != len(diff_ids):
+        raise UnsupportedSave(f"{image}: manifest.json is missing or lists {len(save_order or [])} layers, "
+                              f"the engine {len(diff_ids)}")
+    for index, directory in enumerate(save_order):
+        if directory in positions and positions[directory] != index:
+            raise PublishError(f"{image}: save directory {directory} is layer {index}, taken for "
+                               f"{positions[directory]}")
+    missing = [d for d in needed if d not in compressed]
+    if missing:
+        raise PublishError(f"{image}: the save stream lacked layers {missing}")
+
+
+# --- the push for each layer ------------------------------------------------------------------
+
+
+@dataclass
+class Pushed:
+    digest: str | None
+    by: str  # "imagebuild (engine storage)", "imagebuild (docker save)" or "docker push"
+    output: str  # for the layer's log
+    steps: dict[str, float] = field(default_factory=dict)
+    blobs: dict[str, int] | None = None
+    timed_out: bool = False  # `docker push` ran past the push timeout
+
+
+class Pusher:
+    """Pushes each built layer image: `publish` unless told otherwise or the save format is unknown.
+
+    `docker push` is no cheaper even for a layer that adds nothing: it re-gzips every layer
+    whose registry blob the engine has no record of, and the engine records blobs only when
+    it pushes or pulls them itself, never for a FROM image BuildKit pulled or an image it
+    already holds (measured: a metadata-only child of a 1 GB chain took 62 s to `docker push`).
+    """
+
+    def __init__(self, docker: str, runner: Any, spool: Path, cancelled: threading.Event,
+                 mode: str = "imagebuild", secrets: tuple[str, ...] = (), timeout_s: float | None = None):
+        self.docker, self.runner, self.spool, self.cancelled = docker, runner, spool, cancelled
+        self.mode, self.secrets, self.timeout_s = mode, secrets, timeout_s
+
+    def push(self, image: str, parent: ImageRef | None) -> Pushed:
+        if self.mode == "docker":
+            return self._docker_push(image, "")
+        try:
+            self.spool.mkdir(parents=True, exist_ok=True)
+            result = publish(image, ImageRef.parse(image), parent, spool=self.spool, cancelled=self.cancelled)
+        except UnsupportedSave as exc:
+            return self._docker_push(image, f"imagebuild: push: {exc}; falling back to `docker push`\n")
+        notes = "".join(f"imagebuild: {note}\n" for note in result.notes)
+        return Pushed(result.digest, f"imagebuild ({result.source})",
+                      f"{notes}imagebuild: pushed {image}@{result.digest} from {result.source}: "
+                      f"{result.uploaded} blob(s) uploaded ({result.uploaded_bytes} bytes), "
+                      f"{result.present} already there; {result.steps}\n",
+                      dict(result.steps), {"uploaded": result.uploaded, "uploaded_bytes": result.uploaded_bytes,
+                                           "present": result.present})
+
+    def _docker_push(self, image: str, note: str) -> Pushed:
+        run = self.runner.run([self.docker, "push", image], log=None, secrets=self.secrets, timeout=self.timeout_s)
+        digest = pushed_digest(run.output) if run.returncode == 0 else None
+        return Pushed(digest, "docker push", note + run.output, timed_out=run.timed_out)
+
+
+def pushed_digest(output: str) -> str | None:
+    """The manifest digest in `docker push` output."""
+    for line in output.splitlines():
+        if "digest: sha256:" in line:
+            return "sha256:" + line.split("digest: sha256:", 1)[1].split()[0]
+    return None

@@ -1,0 +1,5 @@
+"""What an image must pass before it is signed: smoke tests (`smoke` pure, `smoke_run` containers), the
+Trivy scan and SBOM (`scan`), and the policy gate (`gate` pure, `gate_run`).
+
+May import: core, oci, config, build.
+"""

@@ -1,0 +1,312 @@
+"""Smoke tests inside built images: the pure core of `imagebuild test` (no I/O).
+
+    expectations (from the build report + matrix, or from an image's labels)
+    -> [smoke_run.py: one container per image runs smoke_tests/ with pytest]
+    -> JUnit XML -> a result (parse_junit, classify) -> build report `stages["smoke"]`
+
+`require_smoke_passed` is the gate that sign and push call before they touch a variant:
+it needs nothing but the variant's record.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from imagebuild.config.tiers import TIERS
+from imagebuild.core.report import VariantRecord
+from imagebuild.core.source import InputError
+
+if TYPE_CHECKING:  # release files (rollout) and sign read this module; they need neither the matrix nor the plan (jinja2)
+    from imagebuild.build.plan import Plan, Variant
+    from imagebuild.config.matrix import Combination, Matrix
+
+STAGE = "smoke"
+EXPECT_SCHEMA = "imagebuild.smoke-expect/v1"  # read by smoke_tests/imagebuild_smoke.py
+
+# The labels `--image` needs to know what an image claims to be (set by the release layer).
+REQUIRED_LABELS = ("io.imagebuild.variant", "io.imagebuild.paddle.version", "io.imagebuild.python.version",
+                   "io.imagebuild.cuda.version", "io.imagebuild.cudnn.version")
+
+
+# --- expectations (pure) --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One image to test and what it claims to be."""
+
+    name: str  # variant id, or the reference given with --image
+    image: str  # what the engine runs: repository@digest, or the reference given
+    digest: str | None
+    device: str
+    paddle: str
+    python: str
+    cuda: str | None
+    cudnn: str | None
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Expectations:
+    variant: str
+    image: str
+    device: str
+    paddle: str
+    python: str
+    cuda: str | None
+    cudnn: str | None
+    labels_expected: dict[str, str]
+    labels_actual: dict[str, str]
+    setuid_allowlist: tuple[str, ...] = ()
+    uid: int | None = None
+    gid: int | None = None
+    gpu_requested: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": EXPECT_SCHEMA, "variant": self.variant, "image": self.image, "device": self.device,
+            "paddle": self.paddle, "python": self.python, "cuda": self.cuda, "cudnn": self.cudnn,
+            "labels": {"expected": dict(sorted(self.labels_expected.items())),
+                       "actual": dict(sorted(self.labels_actual.items()))},
+            "setuid_allowlist": list(self.setuid_allowlist), "uid": self.uid, "gid": self.gid,
+            "gpu_requested": self.gpu_requested,
+        }
+
+
+def expected_labels(target: Target, os_name: str, matrix: Matrix, combo: Combination,
+                    revision: str | None, base_name: str | None = None) -> dict[str, str]:
+    """The labels the release layer sets (plan._release), minus the ones only the build knows.
+
+    tests/test_smoke_unit.py compares this with the rendered release Dockerfile, so the two
+    cannot drift apart unnoticed.
+    """
+    labels = {
+        "org.opencontainers.image.title": matrix.repository,
+        "io.imagebuild.variant": target.name,
+        "io.imagebuild.os": os_name,
+        "io.imagebuild.paddle.version": target.paddle,
+        "io.imagebuild.python.version": target.python,
+        "io.imagebuild.cuda.version": target.cuda or "none",
+        "io.imagebuild.cudnn.version": target.cudnn or "none",
+    }
+    if target.tags:
+        labels["org.opencontainers.image.version"] = target.tags[0]
+    if revision:
+        labels["org.opencontainers.image.revision"] = revision
+    if base_name:
+        labels["org.opencontainers.image.base.name"] = base_name
+    if matrix.source:
+        labels["org.opencontainers.image.source"] = matrix.source
+    labels.update(dict(matrix.labels))
+    labels.update(dict(combo.labels))
+    return labels
+
+
+@dataclass(frozen=True)
+class MatrixContext:
+    """The matrix and its plan, for what a build report does not record."""
+
+    matrix: Matrix
+    plan: Plan
+
+    def find(self, variant_id: str) -> tuple[Variant, Combination] | None:
+        for variant, combo in zip(self.plan.variants, self.matrix.combinations):
+            if variant.id == variant_id:
+                return variant, combo
+        return None
+
+    def base_name(self, variant: Variant) -> str | None:
+        """The image the variant's chain starts FROM (the org.opencontainers.image.base.name label)."""
+        root = self.plan.layers[variant.chain[0]].root
+        return root.image if root else None
+
+    def extra_tests(self, variant_id: str) -> tuple[str, ...]:
+        """The matrix's extra smoke tests for a variant: `all`, each layer kind in its chain, each
+        extra layer it has, then its include entry's own `smoke`; in that order, once each."""
+        found = self.find(variant_id)
+        if found is None:
+            return ()
+        from imagebuild.config.matrix import LAYER_KINDS, SMOKE_ALL
+
+        variant, combo = found
+        kinds = {self.plan.layers[key].kind for key in variant.chain}
+        keys = [SMOKE_ALL, *(k for k in LAYER_KINDS if k in kinds),
+                *(e.name for e in self.matrix.extra_layers if e.applies_to(combo.axes))]
+        paths = [p for k in keys for p in self.matrix.smoke.get(k, ())] + list(combo.smoke)
+        return tuple(dict.fromkeys(paths))
+
+    def expectations(self, target: Target, labels_actual: Mapping[str, str], revision: str | None,
+                     gpu_requested: bool) -> Expectations:
+        found = self.find(target.name)
+        if found is None:
+            raise InputError(self.matrix.file, None, "", f"has no variant {target.name} (was the matrix "
+                                                         "changed since the build? pass the one it was built from)")
+        variant, combo = found
+        m = self.matrix
+        return Expectations(
+            variant=target.name, image=target.image, device=target.device, paddle=target.paddle,
+            python=target.python, cuda=target.cuda, cudnn=target.cudnn,
+            labels_expected=expected_labels(target, variant.os, m, combo, revision, self.base_name(variant)),
+            labels_actual=dict(labels_actual), setuid_allowlist=m.setuid_allowlist,
+            uid=m.user.uid, gid=m.user.gid, gpu_requested=gpu_requested)
+
+
+def target_for_record(record: VariantRecord) -> Target:
+    return Target(name=record.id, image=record.image or "", digest=record.digest, device=record.device,
+                  paddle=record.paddle, python=record.python, cuda=record.cuda, cudnn=record.cudnn,
+                  tags=tuple(record.tags))
+
+
+def target_from_labels(ref: str, labels: Mapping[str, str]) -> Target:
+    """--image: what the image says it is. The release layer sets these labels on every variant."""
+    missing = [key for key in REQUIRED_LABELS if key not in labels]
+    if missing:
+        raise InputError("--image", None, ref, f"has no {missing[0]} label: not an imagebuild release image")
+    cuda = labels["io.imagebuild.cuda.version"]
+    cudnn = labels["io.imagebuild.cudnn.version"]
+    version = labels.get("org.opencontainers.image.version")
+    return Target(name=labels["io.imagebuild.variant"], image=ref, digest=None,
+                  device="cpu" if cuda == "none" else "gpu", paddle=labels["io.imagebuild.paddle.version"],
+                  python=labels["io.imagebuild.python.version"], cuda=None if cuda == "none" else cuda,
+                  cudnn=None if cudnn == "none" else cudnn, tags=(version,) if version else ())
+
+
+def expectations_from_labels(target: Target, labels: Mapping[str, str], gpu_requested: bool) -> Expectations:
+    """Without a matrix: the image must at least carry its own labels consistently."""
+    return Expectations(
+        variant=target.name, image=target.image, device=target.device, paddle=target.paddle,
+        python=target.python, cuda=target.cuda, cudnn=target.cudnn,
+        labels_expected={key: labels[key] for key in REQUIRED_LABELS}, labels_actual=dict(labels),
+        gpu_requested=gpu_requested)
+
+
+# --- results (pure) -------------------------------------------------------------------------
+
+
+@dataclass
+class JunitSummary:
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)  # {test, message}
+    skip_reasons: list[dict[str, str]] = field(default_factory=list)  # {test, reason}
+
+
+def first_line(text: str, limit: int = 400) -> str:
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def parse_junit(text: str) -> JunitSummary:
+    """pytest's JUnit XML -> counts, failure messages and skip reasons, per test case."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(text)
+    summary = JunitSummary()
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
+        failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
+        if failure is not None or error is not None:
+            node = failure if failure is not None else error
+            assert node is not None
+            message = first_line(node.get("message") or node.text or "")
+            if failure is not None:
+                summary.failed += 1
+            else:
+                summary.errors += 1
+            summary.failures.append({"test": name, "message": message})
+        elif skipped is not None:
+            summary.skipped += 1
+            reason = skipped.get("message") or skipped.text or ""
+            summary.skip_reasons.append({"test": name, "reason": first_line(reason)})
+        else:
+            summary.passed += 1
+    return summary
+
+
+def classify(exit_code: int | None, summary: JunitSummary | None, *, timed_out: bool = False,
+             timeout_s: float | None = None, oom: bool = False) -> tuple[str, str | None]:
+    """(passed | failed | error, why). pytest exits 0 (passed), 1 (tests failed), 2-5 (trouble)."""
+    if timed_out:
+        return "error", f"timed out after {timeout_s:g} s; the container was killed"
+    if oom:
+        return "error", "killed by the memory limit (raise --memory)"
+    if summary is None:
+        return "error", f"no JUnit report (exit code {exit_code}); see the log"
+    if summary.failed or summary.errors:
+        first = summary.failures[0] if summary.failures else {"test": "?", "message": ""}
+        return "failed", f"{summary.failed + summary.errors} test(s) failed, first: {first['test']}: {first['message']}"
+    if exit_code != 0:
+        meaning = {2: "interrupted", 3: "pytest internal error", 4: "pytest usage error",
+                   5: "no tests collected"}.get(exit_code or -1, "unexpected exit")
+        return "error", f"pytest exited with code {exit_code} ({meaning}); see the log"
+    if summary.passed == 0:
+        return "error", "every test was skipped: nothing was verified"
+    return "passed", None
+
+
+@dataclass
+class SmokeResult:
+    name: str  # the variant id; with --image, the reference given
+    variant: str
+    image: str
+    digest: str | None
+    status: str  # passed, failed, error; interrupted (the run was cut short)
+    reason: str | None = None
+    summary: JunitSummary = field(default_factory=JunitSummary)
+    junit: str | None = None
+    log: str | None = None
+    exit_code: int | None = None
+    duration_s: float | None = None
+    pull_s: float | None = None
+    gpu_requested: bool = False
+    tiers: tuple[str, ...] = TIERS
+    suite_digest: str | None = None
+    reused: bool = False  # an earlier identical run's result, not run again
+
+    def stage(self) -> dict[str, Any]:
+        """The record later stages read (build report `stages["smoke"]`)."""
+        s = self.summary
+        return {
+            "status": self.status, "reason": self.reason, "image": self.image, "digest": self.digest,
+            "passed": s.passed, "failed": s.failed, "errors": s.errors, "skipped": s.skipped,
+            "skip_reasons": s.skip_reasons, "failures": s.failures, "junit": self.junit, "log": self.log,
+            "exit_code": self.exit_code, "duration_s": self.duration_s, "pull_s": self.pull_s,
+            "gpu_requested": self.gpu_requested, "tiers": list(self.tiers), "suite_digest": self.suite_digest,
+        }
+
+    @classmethod
+    def from_stage(cls, name: str, variant: str, stage: Mapping[str, Any]) -> SmokeResult:
+        summary = JunitSummary(passed=stage.get("passed") or 0, failed=stage.get("failed") or 0,
+                               errors=stage.get("errors") or 0, skipped=stage.get("skipped") or 0,
+                               failures=stage.get("failures") or [], skip_reasons=stage.get("skip_reasons") or [])
+        return cls(name=name, variant=variant, image=stage.get("image", ""), digest=stage.get("digest"), status=stage["status"],
+                   reason=stage.get("reason"), summary=summary, junit=stage.get("junit"), log=stage.get("log"),
+                   exit_code=stage.get("exit_code"), duration_s=stage.get("duration_s"),
+                   pull_s=stage.get("pull_s"), gpu_requested=bool(stage.get("gpu_requested")),
+                   tiers=tuple(stage.get("tiers", TIERS)), suite_digest=stage.get("suite_digest"), reused=True)
+
+
+def require_smoke_passed(variant: VariantRecord | Mapping[str, Any]) -> str | None:
+    """The gate for sign and push: None when the variant may go on, else why it may not.
+
+    Refuses a variant with no smoke result, one whose smoke tests did not pass, one tested
+    without the abi tier, and one rebuilt since it was tested (its digest moved).
+    """
+    if isinstance(variant, VariantRecord):
+        variant = variant.to_dict()
+    name = variant.get("id", "?")
+    stage = (variant.get("stages") or {}).get(STAGE)
+    if not stage:
+        return f"{name}: no smoke test result (run `imagebuild test` first)"
+    if stage.get("status") != "passed":
+        why = stage.get("reason") or "no reason recorded"
+        return f"{name}: smoke tests {stage.get('status')}: {why}"
+    if "abi" not in (stage.get("tiers") or ()):
+        return f"{name}: the smoke tests that passed did not include the abi tier"
+    if not variant.get("digest") or stage.get("digest") != variant.get("digest"):
+        return (f"{name}: smoke tests ran on {stage.get('digest')}, but the variant is now "
+                f"{variant.get('digest')} (rebuilt since; run `imagebuild test` again)")
+    return None

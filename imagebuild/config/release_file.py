@@ -1,0 +1,332 @@
+"""release.yaml: the regions, channel tags, waves and gates of a staged rollout (pure: no I/O but reading it).
+
+The file comes from a pull request like the matrix, so it goes through the same hostile-YAML
+loader (imagebuild.core.source) and every problem is one `file:line: key: message` InputError.
+Credentials are named, never given: a Docker config path or an environment variable's name.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from imagebuild.config.tiers import TIERS
+from imagebuild.core.source import Document, InputError, Reader, load_document, suggest
+
+SCHEMA = 1
+# OCI distribution-spec tag grammar.
+TAG_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
+_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Keys that would carry a secret's value; credentials may only point at one.
+_SECRET_KEYS = frozenset({"password", "token", "secret", "auth", "identitytoken", "registrytoken"})
+
+
+@dataclass(frozen=True)
+class CredentialRef:
+    """Where a region's credentials are: a Docker config file, or the environment variable holding one."""
+
+    docker_config: Path | None = None
+    env: str | None = None
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    registry: str
+    repository: str
+    harbor_project: str | None = None
+    credentials: CredentialRef | None = None
+
+    def image(self, digest: str) -> str:
+        return f"{self.registry}/{self.repository}@{digest}"
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """One check a wave must pass before the next wave starts."""
+
+    @property
+    def kind(self) -> str:
+        return GATE_KINDS_BY_CLASS[type(self)]
+
+
+@dataclass(frozen=True)
+class SoakGate(GateSpec):
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SignatureGate(GateSpec):
+    pass
+
+
+@dataclass(frozen=True)
+class SmokeGate(GateSpec):
+    tier: str
+
+
+@dataclass(frozen=True)
+class PrometheusGate(GateSpec):
+    url: str
+    query: str
+    max: float | None
+    min: float | None
+    for_seconds: float
+
+
+@dataclass(frozen=True)
+class HttpGate(GateSpec):
+    url: str
+    expect_status: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ApprovalGate(GateSpec):
+    pass
+
+
+GATE_KINDS_BY_CLASS: dict[type[GateSpec], str] = {
+    SoakGate: "soak", SignatureGate: "signature", SmokeGate: "smoke", PrometheusGate: "prometheus",
+    HttpGate: "http", ApprovalGate: "approval",
+}
+
+
+@dataclass(frozen=True)
+class Wave:
+    name: str
+    regions: tuple[str, ...]
+    gates: tuple[GateSpec, ...]
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    path: Path
+    trust_path: Path
+    state_registry: str
+    state_repository: str
+    lease_ttl_s: float
+    regions: tuple[Region, ...]
+    channels: tuple[str, ...]
+    waves: tuple[Wave, ...]
+
+    def region(self, name: str) -> Region:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise KeyError(name)
+
+    def wave(self, name: str) -> Wave:
+        for wave in self.waves:
+            if wave.name == name:
+                return wave
+        raise KeyError(name)
+
+
+def parse_duration(text: str) -> float | None:
+    """`30s`, `10m`, `1h`, `500ms` -> seconds; None when it is not a duration."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        return None
+    return int(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def load_release(path: Path) -> ReleaseConfig:
+    """Read and validate a release file; raises InputError naming file, line and key."""
+    return parse_release(load_document(path), Path(path))
+
+
+class _ReleaseReader(Reader):
+    def duration(self, value: Any, path: tuple[str | int, ...], minimum: float = 0.0) -> float:
+        if isinstance(value, bool) or not isinstance(value, str):
+            raise self.error(path, f"expected a duration like 30s, 10m or 1h, got {_shown(value)}")
+        seconds = parse_duration(value)
+        if seconds is None:
+            raise self.error(path, f"'{value}' is not a duration (a whole number and ms, s, m or h: 30s, 10m, 1h)")
+        if seconds < minimum:
+            raise self.error(path, f"must be at least {minimum:g}s")
+        return seconds
+
+    def number(self, value: Any, path: tuple[str | int, ...]) -> float:
+        if isinstance(value, bool):
+            raise self.error(path, "expected a number, got a boolean")
+        try:
+            return float(value)  # floats arrive as their source text (the loader keeps it)
+        except (TypeError, ValueError):
+            raise self.error(path, f"expected a number, got {_shown(value)}") from None
+
+    def pattern(self, value: Any, path: tuple[str | int, ...], regex: re.Pattern[str], what: str) -> str:
+        text = self.string(value, path)
+        if not regex.fullmatch(text):
+            raise self.error(path, f"'{text[:80]}' is not {what}")
+        return text
+
+    def url(self, value: Any, path: tuple[str | int, ...]) -> str:
+        text = self.string(value, path)
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
+            raise self.error(path, f"'{text[:80]}' is not an http(s) URL")
+        if re.match(r"https?://[^/]*@", text):
+            raise self.error(path, "credentials in a URL are not allowed (they would be logged)")
+        return text
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    if value is None:
+        return "nothing (null)"
+    return f"'{str(value)[:60]}'"
+
+
+def parse_release(doc: Document, path: Path) -> ReleaseConfig:
+    r = _ReleaseReader(doc)
+    top = r.mapping(doc.data, (), allowed=("schema", "trust", "state", "lease_ttl", "regions", "channels", "waves"),
+                    required=("schema", "trust", "state", "regions", "channels", "waves"))
+    schema = r.integer(top["schema"], ("schema",))
+    if schema != SCHEMA:
+        raise r.error(("schema",), f"unsupported schema {schema} (this imagebuild reads schema {SCHEMA})")
+    trust_text = r.string(top["trust"], ("trust",))
+    trust_path = Path(trust_text)
+    if not trust_path.is_absolute():
+        trust_path = path.parent / trust_path
+    state = r.mapping(top["state"], ("state",), allowed=("registry", "repository"), required=("registry", "repository"))
+    state_registry = r.pattern(state["registry"], ("state", "registry"), _REGISTRY, "a registry host[:port]")
+    state_repository = r.pattern(state["repository"], ("state", "repository"), _REPOSITORY, "a repository name")
+    lease_ttl = r.duration(top["lease_ttl"], ("lease_ttl",), minimum=5.0) if "lease_ttl" in top else 600.0
+    regions = _regions(r, top["regions"])
+    channels = _channels(r, top["channels"])
+    waves = _waves(r, top["waves"], {region.name for region in regions})
+    return ReleaseConfig(path=path, trust_path=trust_path, state_registry=state_registry,
+                         state_repository=state_repository, lease_ttl_s=lease_ttl, regions=regions,
+                         channels=channels, waves=waves)
+
+
+def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
+    items = r.sequence(value, ("regions",), non_empty=True)
+    regions: list[Region] = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        at: tuple[str | int, ...] = ("regions", index)
+        data = r.mapping(item, at, allowed=("name", "registry", "repository", "harbor_project", "credentials"),
+                         required=("name", "registry", "repository"))
+        name = r.pattern(data["name"], at + ("name",), _NAME, "a region name (lower-case letters, digits, -)")
+        if name in seen:
+            raise r.error(at + ("name",), f"region '{name}' is declared twice (first as regions[{seen[name]}])")
+        seen[name] = index
+        registry = r.pattern(data["registry"], at + ("registry",), _REGISTRY, "a registry host[:port]")
+        repository = r.pattern(data["repository"], at + ("repository",), _REPOSITORY, "a repository name")
+        project = data.get("harbor_project")
+        harbor_project = (r.pattern(project, at + ("harbor_project",), _NAME, "a Harbor project name")
+                          if project is not None else None)
+        credentials = _credentials(r, data["credentials"], at + ("credentials",)) if "credentials" in data else None
+        regions.append(Region(name, registry, repository, harbor_project, credentials))
+    return tuple(regions)
+
+
+def _credentials(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> CredentialRef:
+    if isinstance(value, dict):
+        for key in value:
+            if str(key).lower().replace("_", "").replace("-", "") in _SECRET_KEYS:
+                # Say nothing about the value: it may be a real secret.
+                raise r.error(at + (key,), "credentials are given by reference only (docker_config: PATH or "
+                                           "env: VARIABLE), never as a value; remove it and rotate it if it was real")
+    data = r.mapping(value, at, allowed=("docker_config", "env"))
+    if len(data) != 1:
+        raise r.error(at, "give exactly one of docker_config (a path) or env (a variable name)")
+    if "docker_config" in data:
+        return CredentialRef(docker_config=Path(r.string(data["docker_config"], at + ("docker_config",))))
+    return CredentialRef(env=r.pattern(data["env"], at + ("env",), _ENV_NAME, "an environment variable name"))
+
+
+def _channels(r: _ReleaseReader, value: Any) -> tuple[str, ...]:
+    items = r.sequence(value, ("channels",), non_empty=True)
+    channels: list[str] = []
+    for index, item in enumerate(items):
+        at: tuple[str | int, ...] = ("channels", index)
+        tag = r.pattern(item, at, TAG_PATTERN, "a valid tag (letters, digits, _ . -; at most 128; no leading . or -)")
+        if tag in channels:
+            raise r.error(at, f"channel '{tag}' is listed twice")
+        # A channel is never a cosign tag (sha256-<hex>.sig/.att) nor a state document's tag.
+        if tag.startswith(("sha256-", "rollout-", "lease-", "channel-", "quarantine-")):
+            raise r.error(at, f"'{tag}' is reserved (signature or rollout-state tag names)")
+        channels.append(tag)
+    return tuple(channels)
+
+
+def _waves(r: _ReleaseReader, value: Any, declared: set[str]) -> tuple[Wave, ...]:
+    items = r.sequence(value, ("waves",), non_empty=True)
+    waves: list[Wave] = []
+    placed: dict[str, str] = {}
+    names: set[str] = set()
+    for index, item in enumerate(items):
+        at: tuple[str | int, ...] = ("waves", index)
+        data = r.mapping(item, at, allowed=("name", "regions", "gates"), required=("name", "regions"))
+        name = r.pattern(data["name"], at + ("name",), _NAME, "a wave name (lower-case letters, digits, -)")
+        if name in names:
+            raise r.error(at + ("name",), f"wave '{name}' is declared twice")
+        names.add(name)
+        region_names = r.sequence(data["regions"], at + ("regions",), non_empty=True)
+        regions: list[str] = []
+        for position, region_value in enumerate(region_names):
+            where = at + ("regions", position)
+            region = r.string(region_value, where)
+            if region not in declared:
+                raise r.error(where, f"region '{region}' is not declared under regions")
+            if region in placed:
+                raise r.error(where, f"region '{region}' is already in wave '{placed[region]}' "
+                                     f"(each region is in at most one wave)")
+            placed[region] = name
+            regions.append(region)
+        gates = _gates(r, data.get("gates", {}), at + ("gates",))
+        waves.append(Wave(name, tuple(regions), gates))
+    return tuple(waves)
+
+
+def _gates(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> tuple[GateSpec, ...]:
+    data = r.mapping(value if value is not None else {}, at,
+                     allowed=("soak", "signature", "smoke", "prometheus", "http", "approval"))
+    gates: list[GateSpec] = []
+    if "soak" in data:
+        gates.append(SoakGate(r.duration(data["soak"], at + ("soak",))))
+    if "signature" in data and r.boolean(data["signature"], at + ("signature",)):
+        gates.append(SignatureGate())
+    if "smoke" in data:
+        smoke = r.mapping(data["smoke"], at + ("smoke",), allowed=("tier",))
+        tier = r.string(smoke.get("tier", "abi"), at + ("smoke", "tier"))
+        if tier not in TIERS:
+            raise r.error(at + ("smoke", "tier"), f"unknown tier '{tier}'{suggest(tier, TIERS)} "
+                                                  f"(one of {', '.join(TIERS)})")
+        gates.append(SmokeGate(tier))
+    if "prometheus" in data:
+        where = at + ("prometheus",)
+        prom = r.mapping(data["prometheus"], where, allowed=("url", "query", "max", "min", "for"),
+                         required=("url", "query"))
+        high = r.number(prom["max"], where + ("max",)) if "max" in prom else None
+        low = r.number(prom["min"], where + ("min",)) if "min" in prom else None
+        if high is None and low is None:
+            raise r.error(where, "give max, min or both (the threshold the query's value must keep)")
+        if high is not None and low is not None and low > high:
+            raise r.error(where + ("min",), f"min {low:g} is above max {high:g}")
+        for_s = r.duration(prom["for"], where + ("for",)) if "for" in prom else 0.0
+        gates.append(PrometheusGate(r.url(prom["url"], where + ("url",)), r.string(prom["query"], where + ("query",)),
+                                    high, low, for_s))
+    if "http" in data:
+        where = at + ("http",)
+        http = r.mapping(data["http"], where, allowed=("url", "expect_status", "timeout"), required=("url",))
+        status = r.integer(http.get("expect_status", 200), where + ("expect_status",), minimum=100, maximum=599)
+        timeout = r.duration(http["timeout"], where + ("timeout",), minimum=0.001) if "timeout" in http else 5.0
+        gates.append(HttpGate(r.url(http["url"], where + ("url",)), status, timeout))
+    if "approval" in data and r.boolean(data["approval"], at + ("approval",)):
+        gates.append(ApprovalGate())
+    return tuple(gates)
+
+
+__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "PrometheusGate",
+           "Region", "ReleaseConfig", "SignatureGate", "SmokeGate", "SoakGate", "Wave", "load_release",
+           "parse_duration", "parse_release"]

@@ -1,0 +1,541 @@
+"""The build report (WORKDIR/build-report.json): its model, its status words, and the one way to change it.
+
+The build writes the report; every later stage (smoke, scan, gate; sign, push, rollout and
+release next) records its result per variant under `variants[i].stages[<stage>]`. Several
+processes may do so at once on one workdir (a scan while the tests run, a build still
+writing), so every write goes through `update_report`: an exclusive lock on a sidecar file,
+the file read again, the change applied, then written to a temp file, fsynced and renamed
+over the report. A reader without the lock always sees a whole report, old or new.
+
+Who owns what: the build owns everything but `stages`; each stage owns its own
+`stages[<name>]`. A build's full write (`BuildReport.write`) therefore keeps every stage
+entry already on disk for the same build run (`run_id`), and `record_stage` changes only
+its own entry.
+
+A stage with a typed record registers it here, beside the others, so that every reader
+knows it: `BuildReport.read` turns that stage's dict into the record, and `record_stage`
+writes the record's `to_dict()`. A stage no class is registered for (one a newer imagebuild
+wrote) is kept as the dict it is, and written back unchanged. For a new stage:
+
+    @stage_record("sign")
+    @dataclass
+    class SignStage(StageRecord):
+        status: StageStatus
+        digest: str | None = None  # the image signed
+        signature: str | None = None
+        extra: dict[str, Any] = field(default_factory=dict)  # always last
+
+    record_stage(report_path, "sign", {variant.id: SignStage(status="passed", digest=...)})
+    BuildReport.read(report_path).variants[0].stage(SignStage)  # -> SignStage | None
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from imagebuild.core.source import InputError
+
+REPORT_SCHEMA = "imagebuild.build-report/v1"
+
+
+class _Word(str, Enum):
+    """A status word: compares equal to, and serialises as, its string (the report's JSON)."""
+
+    def __str__(self) -> str:  # f"{status}" is the word on every Python (3.12 changed the default)
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class LayerStatus(_Word):
+    PENDING = "pending"
+    TO_BUILD = "to-build"  # not in the cache repository yet
+    REUSED = "reused"  # its content key was there already
+    BUILDING = "building"
+    BUILT = "built"  # built and pushed
+    FAILED = "failed"
+    SKIPPED = "skipped"  # a parent failed, or the build was interrupted first
+
+
+class VariantStatus(_Word):
+    PENDING = "pending"  # its chain is not complete (or this is a dry run)
+    BUILT = "built"  # every layer is in the registry and its tags point at it
+    FAILED = "failed"  # a layer of its chain failed or was skipped
+
+
+class ReportStatus(_Word):
+    PENDING = "pending"
+    PLANNED = "planned"  # a dry run or `plan --registry`: nothing built
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class StageStatus(_Word):
+    """The outcome of one stage for one variant. A new stage adds its words here."""
+
+    OK = "ok"  # scan: the scan ran (what it found is the gate's business)
+    PASSED = "passed"  # smoke, gate
+    FAILED = "failed"
+    ERROR = "error"  # smoke: the suite could not run (timeout, no JUnit, docker error)
+    SKIPPED = "skipped"  # scan: the variant was not built
+    INTERRUPTED = "interrupted"  # the stage was cancelled while it ran for this variant
+    REFUSED = "refused"  # sign: smoke or gate did not pass for this digest, so nothing was done
+
+
+def _status(kind: type[_Word], value: Any) -> Any:
+    return kind(value)  # ValueError for a word this imagebuild does not know
+
+
+# --- typed stage records ---------------------------------------------------------------------------
+
+
+R = TypeVar("R", bound="StageRecord")
+STAGE_RECORDS: dict[str, type[StageRecord]] = {}
+
+
+def stage_record(name: str) -> Callable[[type[R]], type[R]]:
+    """Register a dataclass as the typed record of stage `name` (its `stages[name]` entry)."""
+
+    def register(cls: type[R]) -> type[R]:
+        cls.STAGE = name
+        STAGE_RECORDS[name] = cls
+        return cls
+
+    return register
+
+
+class StageRecord:
+    """Base of the typed stage records: dict <-> dataclass, unknown keys kept.
+
+    Subclasses are dataclasses with a `status: StageStatus` field and an `extra` dict last:
+    keys a newer imagebuild added are kept there and written back, so a round trip through
+    an older imagebuild loses nothing.
+    """
+
+    STAGE: ClassVar[str] = ""
+    status: StageStatus
+    extra: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.status = _status(StageStatus, self.status)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}  # type: ignore[arg-type]
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
+        names = {f.name for f in fields(cls) if f.name != "extra"}  # type: ignore[arg-type]
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**known, extra=extra)  # type: ignore[call-arg]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Word):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+@stage_record("smoke")
+@dataclass
+class SmokeStage(StageRecord):
+    """`imagebuild test`: the smoke suite run inside the image (smoke.SmokeResult.stage())."""
+
+    status: StageStatus  # passed, failed, error
+    image: str = ""
+    digest: str | None = None  # the image tested; sign/push refuse when the variant's moved since
+    reason: str | None = None
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    skip_reasons: list[dict[str, str]] = field(default_factory=list)  # {test, reason}
+    failures: list[dict[str, str]] = field(default_factory=list)  # {test, message}
+    junit: str | None = None
+    log: str | None = None
+    exit_code: int | None = None
+    duration_s: float | None = None
+    pull_s: float | None = None
+    gpu_requested: bool = False
+    tiers: list[str] = field(default_factory=list)
+    suite_digest: str | None = None  # what the run depended on besides the image
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@stage_record("scan")
+@dataclass
+class ScanStage(StageRecord):
+    """`imagebuild scan`: Trivy over the image by digest; the reports lie under WORKDIR/scan/."""
+
+    status: StageStatus  # ok, failed, skipped
+    digest: str | None = None
+    image: str | None = None
+    trivy_version: str | None = None
+    db_updated_at: str | None = None
+    scanned_at: str | None = None
+    error: str | None = None
+    duration_s: float | None = None
+    reports: dict[str, str] = field(default_factory=dict)  # image, sbom, config, log: relative to WORKDIR
+    dockerfiles_root: str | None = None
+    dockerfiles: list[str] = field(default_factory=list)  # the chain's Dockerfiles, root first
+    counts: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, Any] | None = None  # scan.LayerUse.record()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@stage_record("gate")
+@dataclass
+class GateStage(StageRecord):
+    """`imagebuild gate`: the policy's verdict on the scan (gate.stage_record())."""
+
+    status: StageStatus  # passed, failed
+    digest: str | None = None  # the image judged
+    image: str | None = None
+    policy: str | None = None
+    evaluated_on: str | None = None
+    strict: bool = False
+    severity: str | None = None
+    ignore_unfixed: bool = False
+    counts: dict[str, int] = field(default_factory=dict)
+    blocking: list[dict[str, Any]] = field(default_factory=list)
+    excepted: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@stage_record("sign")
+@dataclass
+class SignStage(StageRecord):
+    """`imagebuild sign`: the cosign signature and the six attestations, by digest (sign.py)."""
+
+    status: StageStatus  # passed, failed, refused, interrupted
+    digest: str | None = None  # the image signed: a rerun skips only while this is still the variant's digest
+    image: str | None = None  # repository@digest
+    key: str | None = None  # a key file's path or a KMS URI, never key material; None when keyless
+    keyless: bool = False
+    layout: str | None = None  # "tag": cosign v2's `<repo>:sha256-<hex>.sig` / `.att` tags
+    signature: str | None = None  # the signature's tag reference
+    signature_reused: bool = False  # the tag already held this key's signature of this digest: cosign sign not run
+    attestation_ref: str | None = None  # the attestations' tag reference
+    attestations: list[dict[str, str]] = field(default_factory=list)  # [{type, predicate_type}]
+    predicates: dict[str, str] = field(default_factory=dict)  # type -> predicate file, relative to WORKDIR
+    tlog: bool = False  # uploaded to a transparency log (Rekor)
+    cosign_version: str | None = None
+    signed_at: str | None = None
+    reason: str | None = None  # why refused or failed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@stage_record("push")
+@dataclass
+class PushStage(StageRecord):
+    """`imagebuild push`: the image copied by digest to its release repository, audited there, then tagged (push.py)."""
+
+    status: StageStatus  # passed, failed, refused, interrupted
+    digest: str | None = None  # the image pushed: a rerun is a no-op only while this is still the variant's digest
+    source: str | None = None  # repository@digest it was copied from
+    target: str | None = None  # the release repository (registry/path)
+    tags: list[str] = field(default_factory=list)  # release tags naming `digest` in the target after this run
+    tags_written: list[str] = field(default_factory=list)  # written by this run (moved ones included)
+    tags_moved: list[dict[str, str]] = field(default_factory=list)  # {tag, from, to, reason}: --force, audit-logged
+    tags_refused: list[str] = field(default_factory=list)  # naming another digest there (immutable without --force)
+    bytes_uploaded: int = 0  # blob bytes this run sent to the target
+    blobs_uploaded: int = 0
+    blobs_reused: int = 0  # already in the target, or mounted from another repository of it
+    blobs_mounted: int = 0
+    signature_tags: list[str] = field(default_factory=list)  # cosign's sha256-<hex>.sig/.att copied with it
+    audit: dict[str, Any] | None = None  # push_plan.AuditResult.to_dict(): digest, key, attestations, problems
+    audited_at: str | None = None
+    harbor: dict[str, Any] | None = None  # Harbor's scan overview of the artifact, with --harbor-url
+    reason: str | None = None  # why refused or failed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Stage = StageRecord | dict[str, Any]  # a typed record, or the dict of a stage no class is registered for
+
+
+def parse_stage(name: str, data: Mapping[str, Any]) -> Stage:
+    cls = STAGE_RECORDS.get(name)
+    return cls.from_dict(data) if cls is not None else dict(data)
+
+
+def stage_dict(record: Stage | Mapping[str, Any]) -> dict[str, Any]:
+    return record.to_dict() if isinstance(record, StageRecord) else dict(record)
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+class _StatusField:
+    """Assigning a bare string to `status` turns it into the record's status word (or fails)."""
+
+    _status_kind: ClassVar[type[_Word]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "status":
+            value = _status(self._status_kind, value)
+        object.__setattr__(self, name, value)
+
+
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields this imagebuild knows: a newer one's additions are ignored when reading."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass
+class LayerRecord(_StatusField):
+    _status_kind: ClassVar[type[_Word]] = LayerStatus
+
+    key: str
+    kind: str
+    path: str
+    image: str  # cache repository reference with tag
+    status: LayerStatus = LayerStatus.PENDING
+    digest: str | None = None
+    base_digest: str | None = None  # the image it was built FROM
+    duration_s: float | None = None
+    log: str | None = None
+    error: str | None = None
+    steps: dict[str, float] | None = None  # seconds per step: build_s, export_s, compress_s, upload_s, push_s
+    pushed_by: str | None = None  # "imagebuild (engine storage)", "imagebuild (docker save)" or "docker push"
+    blobs: dict[str, int] | None = None  # uploaded, uploaded_bytes, present (already in the registry)
+
+    # Written only when set: a layer that was reused, not pushed, reads as it did before they existed.
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("steps", "pushed_by", "blobs")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                if not (f.name in self._OPTIONAL and getattr(self, f.name) is None)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerRecord:
+        return cls(**_known(cls, data))
+
+
+@dataclass
+class VariantRecord(_StatusField):
+    """One variant as built. The selector axes (id, os, device, cuda, cudnn, python, paddle) are fields."""
+
+    _status_kind: ClassVar[type[_Word]] = VariantStatus
+
+    id: str
+    tags: list[str]
+    images: list[str]
+    chain: list[str]
+    device: str
+    paddle: str
+    python: str
+    cuda: str | None
+    cudnn: str | None
+    status: VariantStatus = VariantStatus.PENDING
+    digest: str | None = None
+    image: str | None = None  # repository@digest
+    stages: dict[str, Stage] = field(default_factory=dict)  # each later stage's record, by stage name
+    os: str | None = None  # None in reports written before it was recorded
+
+    def stage(self, kind: type[R]) -> R | None:
+        """This variant's typed record of one stage, e.g. `variant.stage(ScanStage)`; None when absent."""
+        record = self.stages.get(kind.STAGE)
+        return record if isinstance(record, kind) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        out["stages"] = {name: stage_dict(record) for name, record in self.stages.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> VariantRecord:
+        known = _known(cls, data)
+        known["stages"] = {name: parse_stage(name, record) for name, record in (data.get("stages") or {}).items()}
+        return cls(**known)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class BuildReport(_StatusField):
+    _status_kind: ClassVar[type[_Word]] = ReportStatus
+
+    matrix: str
+    revision: str
+    registry: str
+    repository: str
+    cache_repository: str
+    created: str
+    variants: list[VariantRecord]
+    layers: list[LayerRecord]
+    status: ReportStatus = ReportStatus.PENDING
+    schema: str = REPORT_SCHEMA
+    run_id: str = field(default_factory=new_run_id)  # one build run: its writes merge, a new run replaces
+    finished: str | None = None  # when the build's final write happened (provenance's runDetails.metadata)
+    matrix_sha256: str | None = None  # "sha256:..." of the matrix file as the build read it
+
+    def layer(self, key: str) -> LayerRecord:
+        return next(rec for rec in self.layers if rec.key == key)
+
+    def summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for rec in self.layers:
+            counts[rec.status.value] = counts.get(rec.status.value, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        out["variants"] = [v.to_dict() for v in self.variants]
+        out["layers"] = [rec.to_dict() for rec in self.layers]
+        out["summary"] = self.summary()
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def write(self, path: Path) -> None:
+        """The build's write: everything the build owns, merged with the stages on disk.
+
+        A stage recorded (by another process) since this run last wrote stays: for a variant
+        of the same run, every stage entry on disk wins over this object's. A report of
+        another run is replaced whole.
+        """
+        new = self.to_dict()
+        with update_report(path, create=True) as data:
+            if data.get("run_id") == self.run_id:
+                on_disk = {v.get("id"): v.get("stages") or {} for v in data.get("variants", [])}
+                for variant in new["variants"]:
+                    variant["stages"] = {**variant["stages"], **on_disk.get(variant["id"], {})}
+            data.clear()
+            data.update(new)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BuildReport:
+        known = _known(cls, data)
+        known["variants"] = [VariantRecord.from_dict(v) for v in data["variants"]]
+        known["layers"] = [LayerRecord.from_dict(rec) for rec in data["layers"]]
+        if "run_id" not in data:
+            known["run_id"] = ""  # written before runs had ids: no later run merges with it
+        return cls(**known)
+
+    @classmethod
+    def read(cls, path: Path) -> BuildReport:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(str(path), None, "", "build report not found (run imagebuild build first)") from None
+        except json.JSONDecodeError as exc:
+            raise InputError(str(path), exc.lineno, "", f"not JSON: {exc.msg}") from None
+        if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else None
+            raise InputError(str(path), None, "schema", f"expected {REPORT_SCHEMA}, got {found!r}")
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InputError(str(path), None, "", f"not a build report this imagebuild can read ({exc})") from None
+
+
+# --- the one read-modify-write -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def report_lock(report_path: Path) -> Iterator[None]:
+    """Exclusive across processes: fcntl on `<report>.lock` (the report itself is replaced, not locked)."""
+    with open(report_path.with_name(report_path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def update_report(report_path: Path, *, create: bool = False) -> Iterator[dict[str, Any]]:
+    """`with update_report(path) as data:` change `data` (the report as JSON); it is written on exit.
+
+    Under the lock the file is read afresh, so nothing another writer recorded is lost; it is
+    written to a temp file in the same folder, fsynced and renamed over the report (keeping its
+    permissions), so a reader never sees half a report. An exception inside the block writes
+    nothing. With `create` (the build, which writes the whole report), a missing or unreadable
+    report starts as {}; new files get 0644 less the umask.
+    """
+    if create:
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+    elif not report_path.is_file():  # before the lock: bad input leaves no lock file behind either
+        raise InputError(str(report_path), None, "", "build report not found (run imagebuild build first)")
+    with report_lock(report_path):
+        mode: int | None = None
+        try:
+            mode = report_path.stat().st_mode & 0o777
+            data = json.loads(report_path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
+            if not create:
+                raise InputError(str(report_path), None, "",
+                                 "build report not found (run imagebuild build first)") from None
+            data = {}
+        except ValueError as exc:  # JSONDecodeError included
+            if not create:
+                raise InputError(str(report_path), getattr(exc, "lineno", None), "",
+                                 f"not a build report: {getattr(exc, 'msg', exc)}") from None
+            data = {}
+        yield data
+        _replace(report_path, json.dumps(data, indent=2) + "\n", mode)
+
+
+def _replace(path: Path, text: str, mode: int | None) -> None:
+    if mode is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o644 & ~umask
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself survives a crash once the folder is synced
+        dirfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+
+
+def record_stage(report_path: Path, stage: str, by_variant: Mapping[str, Stage | Mapping[str, Any]]) -> None:
+    """Put each variant's result for one stage into the report (`stages[stage]`), under the lock.
+
+    Only that stage of those variants changes; whatever the build or another stage wrote in
+    the meantime stays. Records may be typed (a registered StageRecord) or plain dicts; a dict
+    for a typed stage is checked against its record (ValueError for an unknown status word).
+    """
+    for record in by_variant.values():
+        if isinstance(record, StageRecord) and record.STAGE != stage:
+            raise ValueError(f"a {type(record).__name__} is the {record.STAGE} stage's record, not {stage}'s")
+        if not isinstance(record, StageRecord):
+            parse_stage(stage, record)  # a dict for a typed stage must read back (known status word)
+    with update_report(report_path) as data:
+        for variant in data.get("variants", []):
+            if variant.get("id") in by_variant:
+                variant.setdefault("stages", {})[stage] = stage_dict(by_variant[variant["id"]])

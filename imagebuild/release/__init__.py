@@ -1,0 +1,5 @@
+"""Getting signed images to registries: push and promote (`push`, `push_plan` pure), Harbor (`harbor`),
+and `imagebuild release`, every stage per variant (`pipeline`).
+
+May import: core, oci, config, build, checks, trust.
+"""
