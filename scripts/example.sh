@@ -57,11 +57,11 @@ PY
 images=()
 for line in "${released[@]}"; do images+=("${line##* }"); done
 # Every image of the report, by digest, as an admission controller would check it.
-imagebuild verify --config examples/local/trust.yaml --require-provenance "${images[@]}"
+imagebuild verify --trust examples/local/trust.yaml --require-provenance "${images[@]}"
 # The release record of the first image, verified: what went into it and what happened to it.
-imagebuild inspect --config examples/local/trust.yaml "${images[0]}"
+imagebuild inspect --trust examples/local/trust.yaml "${images[0]}"
 # The policies embed this machine's public key, so they go to the workdir, not the repository.
-imagebuild policies generate --config examples/local/trust.yaml --out "$workdir/admission"
+imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission"
 
 # The canary rollout: each variant to its channel (cpu, gpu), eu-west first, then us-east and
 # ap-south, each wave after its gates (a short soak, the signature verified in the region).
@@ -95,6 +95,6 @@ done. Where to look:
     signed predicates: $workdir/sign/   admission policies for this key: $workdir/admission/
   rollouts: imagebuild rollout status --release $release   (records in the state registry)
     audit trail: $state_dir/audit.jsonl
-  the release record of an image: imagebuild inspect --config examples/local/trust.yaml ${images[0]}
+  the release record of an image: imagebuild inspect --trust examples/local/trust.yaml ${images[0]}
   tonight's rescan: imagebuild rescan --release $release --policy examples/local/policy.yaml --offline --cache-dir $trivy_cache
 EOF2

@@ -298,7 +298,7 @@ def test_webhook_serves_the_trust_config_with_tls_from_a_secret(tmp_path: Path) 
     assert flags["--port"] == "9443"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert flags["--config"] == f"{mounts['config']}/trust.yaml"
+    assert flags["--trust"] == f"{mounts['config']}/trust.yaml"
     assert volumes["config"]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
     assert flags["--tls-cert"] == f"{mounts['tls']}/tls.crt" and flags["--tls-key"] == f"{mounts['tls']}/tls.key"
     assert volumes["tls"]["secret"]["secretName"] == "admit-tls"

@@ -318,7 +318,7 @@ def test_the_six_kinds_sign_attaches_and_their_cosign_types():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (("inspect", "--key", "k.pub", "--config", "t.yaml", "127.0.0.1:5000/a/b:1"), "give --key or --config"),
+    (("inspect", "--key", "k.pub", "--config", "t.yaml", "127.0.0.1:5000/a/b:1"), "give --key or --trust"),
     (("inspect", "--config", "missing-trust.yaml", "127.0.0.1:5000/a/b:1"), "no such trust config"),
     (("inspect", "--config", "missing-trust.yaml", "Not A Reference"), "not an image reference"),
     (("verify", "--key", "k.pub", "--require-provenance", "--no-attestations", "127.0.0.1:5000/a/b:1"),

@@ -63,7 +63,7 @@ def test_a_missing_trust_config_is_bad_input(tmp_path):
 def test_key_and_config_together_are_bad_input(public_key, tmp_path):
     line = one_error_line(run_imagebuild("verify", "--key", public_key, "--config", tmp_path / "t.yaml",
                                          "127.0.0.1:5000/x:v1"))
-    assert "give --key or --config, not both" in line
+    assert "give --key or --trust, not both" in line
 
 
 def test_a_malformed_trust_config_names_its_file_and_line(tmp_path):

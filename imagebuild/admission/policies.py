@@ -617,7 +617,7 @@ def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, A
         "image": hook.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["imagebuild"],
-        "args": ["admission", "serve", "--config", f"{CONFIG_MOUNT}/trust.yaml",
+        "args": ["admission", "serve", "--trust", f"{CONFIG_MOUNT}/trust.yaml",
                  "--tls-cert", f"{TLS_MOUNT}/tls.crt", "--tls-key", f"{TLS_MOUNT}/tls.key",
                  "--port", str(hook.port)],
         "ports": [{"name": "https", "containerPort": hook.port, "protocol": "TCP"}],

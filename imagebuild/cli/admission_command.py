@@ -13,14 +13,13 @@ from imagebuild.admission import review as admission
 from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
 from imagebuild.admission.review import Verdict
 from imagebuild.admission.server import DecisionLog, ServerSettings, serve, tls_context
-from imagebuild.cli.common import EXIT_FAILED, echo, reports_input_errors
+from imagebuild.cli.common import EXIT_FAILED, echo, reports_input_errors, trust_file_option
 from imagebuild.config.trust import FailurePolicy, Mode, TrustConfig, load_trust_config
 from imagebuild.core.source import InputError
 from imagebuild.trust.verify import Verifier
 
-config_option = click.option(
-    "--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-    help="The trust configuration: keys, covered images, requirements, mode, failure policy, cache TTL.")
+trust_option = trust_file_option(
+    "The trust configuration: keys, covered images, requirements, mode, failure policy, cache TTL.", required=True)
 
 
 @click.group("admission")
@@ -34,7 +33,7 @@ def admission_group() -> None:
 
 
 @admission_group.command("serve")
-@config_option
+@trust_option
 @click.option("--tls-cert", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="PEM certificate chain the webhook presents (its Service's DNS name in the SAN).")
 @click.option("--tls-key", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -50,7 +49,7 @@ def admission_group() -> None:
               show_default=True, type=click.IntRange(1, 100000),
               help="Connections open at once from one address (an IPv6 /64).")
 @reports_input_errors
-def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, port: int, request_deadline: float,
+def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, port: int, request_deadline: float,
                   max_connections: int, max_connections_per_client: int) -> None:
     """Serve AdmissionReview v1 over HTTPS (TLS 1.2+) until SIGTERM.
 
@@ -68,12 +67,12 @@ def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, p
 
     \b
     Examples:
-      imagebuild admission serve --config policies/trust.yaml \\
+      imagebuild admission serve --trust policies/trust.yaml \\
           --tls-cert /tls/tls.crt --tls-key /tls/tls.key
-      imagebuild admission serve --config examples/local/trust.yaml \\
+      imagebuild admission serve --trust examples/local/trust.yaml \\
           --tls-cert cert.pem --tls-key key.pem --host 127.0.0.1 --port 9443
     """
-    config = load_trust_config(config_path)
+    config = load_trust_config(trust_path)
     context = _tls(tls_cert, tls_key)
     verifier = Verifier(config)  # one for the whole server: its cache serves every request
     settings = ServerSettings(host=host, port=port, request_deadline_s=request_deadline,
@@ -86,12 +85,12 @@ def serve_command(config_path: Path, tls_cert: Path, tls_key: Path, host: str, p
 
 
 @admission_group.command("review")
-@config_option
+@trust_option
 @click.argument("review_file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
 @click.option("--mutate", is_flag=True,
               help="Answer as POST /mutate does: with the JSONPatch pinning each admitted image to its digest.")
 @reports_input_errors
-def review_command(config_path: Path, review_file: Path, mutate: bool) -> None:
+def review_command(trust_path: Path, review_file: Path, mutate: bool) -> None:
     """Judge one AdmissionReview v1 (a file, or - for stdin) as the webhook would; print its response.
 
     Exit 0 when allowed, 1 when denied (a malformed review with a uid is denied too), 2 when the
@@ -99,12 +98,12 @@ def review_command(config_path: Path, review_file: Path, mutate: bool) -> None:
 
     \b
     Examples:
-      imagebuild admission review --config policies/trust.yaml review.json
-      imagebuild admission review --mutate --config trust.yaml review.json | jq -r .response.patch | base64 -d
+      imagebuild admission review --trust policies/trust.yaml review.json
+      imagebuild admission review --mutate --trust trust.yaml review.json | jq -r .response.patch | base64 -d
       kubectl create -f pod.yaml --dry-run=server   # what the cluster does with the same webhook
-      cat review.json | imagebuild admission review --config trust.yaml - | jq .response
+      cat review.json | imagebuild admission review --trust trust.yaml - | jq .response
     """
-    config = load_trust_config(config_path)
+    config = load_trust_config(trust_path)
     body = _read(review_file)
     verify = _checks(config, Verifier(config))
     outcome = admission.review(body, lambda images: {image: verify(image) for image in images}, _policy(config),

@@ -20,6 +20,8 @@ from imagebuild.oci.client import RegistryError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from imagebuild.config.trust import TrustConfig
+
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3  # a tool or service is missing or unreachable
@@ -212,18 +214,42 @@ workdir_option = click.option(
 
 
 DEFAULT_TRUST_CONFIG = Path("policies/trust.yaml")
+TRUST_FLAG = "--trust"  # the trust file, in every command; --config is its old spelling, kept hidden
 
 
-def trust_config_option(config_path: Path | None, keys: tuple[Path, ...], option: str = "--config") -> Any:
-    """The TrustConfig a command was given: ad hoc from `--key` files, else the trust file (OPTION or
+def trust_file_option(help: str, *, required: bool = False,
+                      default: Path | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--trust FILE` for a command (its value arrives as `trust_path`), with `--config` as a hidden alias."""
+    kind = click.Path(dir_okay=False, path_type=Path)
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, trust_path: Path | None, config_alias: Path | None, **kwargs: Any) -> Any:
+            if trust_path is not None and config_alias is not None:
+                raise click.UsageError("--config is the old name of --trust: give one of them")
+            path = trust_path if trust_path is not None else config_alias
+            if path is None and required:
+                raise click.UsageError(f"Missing option '{TRUST_FLAG}'.")
+            return func(*args, trust_path=path if path is not None else default, **kwargs)
+
+        wrapper = click.option("--config", "config_alias", type=kind, default=None, hidden=True)(wrapper)
+        shown_default = f" [default: {default}]" if default is not None else ""
+        return click.option(TRUST_FLAG, "trust_path", type=kind, default=None, metavar="FILE",
+                            required=False, help=help + shown_default)(wrapper)
+
+    return decorate
+
+
+def trust_config_option(trust_path: Path | None, keys: tuple[Path, ...]) -> TrustConfig:
+    """The TrustConfig a command was given: ad hoc from `--key` files, else the trust file (--trust FILE or
     policies/trust.yaml). Shared by verify, inspect, push, promote and release."""
     from imagebuild.config import trust
 
-    if keys and config_path is not None:
-        raise InputError("--key", None, "", f"replaces the trust config; give --key or {option}, not both")
+    if keys and trust_path is not None:
+        raise InputError("--key", None, "", f"replaces the trust config; give --key or {TRUST_FLAG}, not both")
     if keys:
         return trust.trust_config_for_keys(list(keys))
-    path = config_path or DEFAULT_TRUST_CONFIG
+    path = trust_path or DEFAULT_TRUST_CONFIG
     if not path.is_file():
-        raise InputError(str(path), None, "", f"no such trust config (give {option} FILE or --key PUB)")
+        raise InputError(str(path), None, "", f"no such trust config (give {TRUST_FLAG} FILE or --key PUB)")
     return trust.load_trust_config(path)

@@ -17,6 +17,7 @@ from imagebuild.cli.common import (
     reports_input_errors,
     safe_markup,
     trust_config_option,
+    trust_file_option,
 )
 from imagebuild.core.source import InputError
 
@@ -26,13 +27,13 @@ if TYPE_CHECKING:
 
 @click.command("inspect")
 @click.argument("image", metavar="IMAGE")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help=f"The trust config whose keys must have signed the record [default: {DEFAULT_TRUST_CONFIG}].")
+@trust_file_option(f"The trust config whose keys must have signed the record "
+                   f"[default: {DEFAULT_TRUST_CONFIG}].")
 @click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Verify with this public key instead of a config; repeat during a key rotation.")
 @format_option("table", "json")
 @reports_input_errors
-def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...], output_format: str) -> None:
+def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...], output_format: str) -> None:
     """Show the release record of IMAGE (a tag or a digest), verified.
 
     The tag is resolved to its digest; the image's signature and its provenance (SLSA v1) and
@@ -48,7 +49,7 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
 
     \b
     Examples:
-      imagebuild inspect --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
+      imagebuild inspect --trust examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild inspect --key cosign.pub --format json IMAGE@sha256:...
     """
     from imagebuild.trust.attest import PREDICATE_PROVENANCE, PREDICATE_RELEASE
@@ -59,7 +60,7 @@ def inspect_command(image: str, config_path: Path | None, keys: tuple[Path, ...]
         parse_image(image)
     except ValueError as exc:
         raise InputError(image, None, "", f"not an image reference: {exc}") from None
-    config = trust_config_option(config_path, keys)
+    config = trust_config_option(trust_path, keys)
 
     with Verifier(config) as verifier:
         found = verifier.inspect(image)

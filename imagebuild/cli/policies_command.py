@@ -10,7 +10,14 @@ from pathlib import Path
 import click
 
 from imagebuild.admission import policies as policy_files
-from imagebuild.cli.common import EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.cli.common import (
+    DEFAULT_TRUST_CONFIG,
+    EXIT_FAILED,
+    echo,
+    format_option,
+    reports_input_errors,
+    trust_file_option,
+)
 from imagebuild.config.trust import load_trust_config
 from imagebuild.core.source import InputError
 
@@ -86,8 +93,7 @@ def policies_group() -> None:
 
 
 @policies_group.command("generate")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("policies/trust.yaml"), show_default=True, help="The trust configuration to read.")
+@trust_file_option("The trust configuration to read.", default=DEFAULT_TRUST_CONFIG)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the files go (default: admission/ beside the configuration).")
 @click.option("--ca-bundle", "ca_bundle", type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -96,7 +102,7 @@ def policies_group() -> None:
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 and list the drift if any file differs.")
 @format_option("table", "json")
 @reports_input_errors
-def generate(config_path: Path, out: Path | None, ca_bundle: Path | None, check: bool, output_format: str) -> None:
+def generate(trust_path: Path, out: Path | None, ca_bundle: Path | None, check: bool, output_format: str) -> None:
     """Write a sigstore ClusterImagePolicy, a Kyverno ClusterPolicy and ImageValidatingPolicy,
     and the manifests of `imagebuild admission serve`, from one trust configuration.
 
@@ -108,33 +114,33 @@ def generate(config_path: Path, out: Path | None, ca_bundle: Path | None, check:
     Examples:
       imagebuild policies generate                       # policies/trust.yaml -> policies/admission/
       imagebuild policies generate --check               # CI: exit 1 when committed files drifted
-      imagebuild policies generate --config examples/local/trust.yaml --out /tmp/admission
+      imagebuild policies generate --trust examples/local/trust.yaml --out /tmp/admission
       imagebuild policies generate --ca-bundle ca.pem    # caBundle inline instead of cert-manager
       imagebuild policies generate --format json | jq '.files[].path'
     """
-    config = load_trust_config(config_path)
+    config = load_trust_config(trust_path)
     bundle = ca_bundle.read_bytes() if ca_bundle is not None else None
     if bundle is not None and b"-----BEGIN CERTIFICATE-----" not in bundle:
         raise InputError(str(ca_bundle), None, "", "is not a PEM certificate bundle")
-    files = policy_files.generate(config, policy_files.Options(source=_source_name(config_path), ca_bundle=bundle))
-    root = out if out is not None else config_path.parent / "admission"
+    files = policy_files.generate(config, policy_files.Options(source=_source_name(trust_path), ca_bundle=bundle))
+    root = out if out is not None else trust_path.parent / "admission"
     changes = survey(root, files)
     drift = [c for c in changes if c.reason != "unchanged"]
     if check:
         if output_format == "json":
-            click.echo(json.dumps({"config": str(config_path), "out": str(root),
+            click.echo(json.dumps({"config": str(trust_path), "out": str(root),
                                    "drift": [{"path": str(root / c.path), "reason": c.reason} for c in drift]}))
         elif drift:
-            echo(f"{root}: {len(drift)} file(s) differ from {config_path}:", err=True)
+            echo(f"{root}: {len(drift)} file(s) differ from {trust_path}:", err=True)
             for c in drift:
                 echo(f"  {c}", err=True)  # file names read from disk
-            echo(f"run `imagebuild policies generate --config {config_path}` and commit the result", err=True)
+            echo(f"run `imagebuild policies generate --trust {trust_path}` and commit the result", err=True)
         else:
             echo(f"{root}: {len(files)} files up to date")
         sys.exit(EXIT_FAILED if drift else 0)
     write(root, files, changes)
     if output_format == "json":
-        click.echo(json.dumps({"config": str(config_path), "out": str(root), "files": [
+        click.echo(json.dumps({"config": str(trust_path), "out": str(root), "files": [
             {"path": str(root / c.path), "status": c.reason} for c in changes]}, indent=2))
         return
     for c in drift:

@@ -5,7 +5,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,6 +19,7 @@ from imagebuild.cli.common import (
     reports_input_errors,
     safe_cells,
     trust_config_option,
+    trust_file_option,
     workdir_option,
 )
 from imagebuild.config.selection import Selection
@@ -27,10 +28,15 @@ from imagebuild.oci.client import RegistryError
 from imagebuild.release import push_plan as plan
 from imagebuild.release.push import AUDIT_LOG, PromoteOutcome, Promoter, PushError, PushOutcome, PushRun, environmental
 
-trust_option = click.option(
-    "--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help=f"Trust config whose keys (and required attestations) the source and the target must satisfy "
-         f"[default: {DEFAULT_TRUST_CONFIG}].")
+if TYPE_CHECKING:
+    from imagebuild.config.trust import TrustConfig
+
+audit_workdir_option = click.option(
+    "--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"), show_default=True,
+    help=f"Where promote appends to its audit log ({AUDIT_LOG}); nothing else is read or written there.")
+trust_option = trust_file_option(
+    f"Trust config whose keys (and required attestations) the source and the target must satisfy "
+    f"[default: {DEFAULT_TRUST_CONFIG}].")
 key_option = click.option(
     "--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
     help="Verify with this cosign public key instead of a trust config; repeat during a key rotation.")
@@ -43,8 +49,8 @@ insecure_option = click.option(
     help="Reach this registry over plain http (loopback registries always are).")
 
 
-def trust_config(trust_path: Path | None, keys: tuple[Path, ...]) -> Any:
-    return trust_config_option(trust_path, keys, "--trust")
+def trust_config(trust_path: Path | None, keys: tuple[Path, ...]) -> TrustConfig:
+    return trust_config_option(trust_path, keys)
 
 
 def checked_repository(option: str, text: str) -> str:
@@ -217,7 +223,7 @@ def _size(n: int) -> str:
 @key_option
 @force_option
 @reason_option
-@workdir_option
+@audit_workdir_option
 @insecure_option
 @format_option("table", "json")
 @reports_input_errors

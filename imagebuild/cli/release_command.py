@@ -25,6 +25,7 @@ from imagebuild.cli.common import (
     safe_markup,
     secret_lane_options,
     stdout,
+    trust_file_option,
 )
 from imagebuild.cli.progress import LineProgress
 from imagebuild.config.selection import Selection
@@ -64,8 +65,7 @@ _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
                    "COSIGN_PASSWORD.")
 @click.option("--push-to", "push_to", default=None, metavar="REGISTRY/PROJECT",
               help="Then copy each signed image there (as `imagebuild push --to`); without it, no push stage.")
-@click.option("--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --push-to: the trust config push verifies against [default: policies/trust.yaml].")
+@trust_file_option("With --push-to: the trust config push verifies against [default: policies/trust.yaml].")
 @format_option("table", "json")
 @reports_input_errors
 def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | None, jobs: int, workdir: Path,

@@ -16,14 +16,15 @@ from imagebuild.cli.common import (
     format_option,
     reports_input_errors,
     trust_config_option,
+    trust_file_option,
 )
 from imagebuild.core.source import InputError
 
 
 @click.command("verify")
 @click.argument("images", nargs=-1, required=True, metavar="IMAGE...")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help=f"The trust config: keys, covered images, required attestations [default: {DEFAULT_TRUST_CONFIG}].")
+@trust_file_option(f"The trust config: keys, covered images, required attestations "
+                   f"[default: {DEFAULT_TRUST_CONFIG}].")
 @click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Verify with this public key instead of a config (signature only, every registry); "
                    "repeat during a key rotation: any one key suffices.")
@@ -36,7 +37,7 @@ from imagebuild.core.source import InputError
               help="Images verified at once.")
 @format_option("table", "json")
 @reports_input_errors
-def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tuple[Path, ...],
+def verify_command(images: tuple[str, ...], trust_path: Path | None, keys: tuple[Path, ...],
                    no_attestations: bool, require_provenance: bool, concurrency: int, output_format: str) -> None:
     """Verify each IMAGE (a tag or a digest) as the admission webhook does, without running cosign.
 
@@ -52,7 +53,7 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
 
     \b
     Examples:
-      imagebuild verify --config examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
+      imagebuild verify --trust examples/local/trust.yaml 127.0.0.1:5000/imagebuild-example/paddle:3.3.1
       imagebuild verify IMAGE@sha256:...                       # with policies/trust.yaml
       imagebuild verify --key cosign.pub --key cosign-next.pub IMAGE   # during a key rotation
       imagebuild verify --no-attestations --format json IMAGE...
@@ -67,7 +68,7 @@ def verify_command(images: tuple[str, ...], config_path: Path | None, keys: tupl
             parse_image(image)
         except ValueError as exc:
             raise InputError(image, None, "", f"not an image reference: {exc}") from None
-    config = trust_config_option(config_path, keys)
+    config = trust_config_option(trust_path, keys)
     if require_provenance and "provenance" not in config.require.attestations:
         config = replace(config, require=replace(config.require,
                                                  attestations=(*config.require.attestations, "provenance")))
