@@ -191,3 +191,20 @@ def test_the_checker_sees_a_function_level_import_and_its_room() -> None:
     assert room_of("imagebuild.oci.client") == "oci"
     assert room_of("imagebuild.build") == "build"
     assert room_of("imagebuild.cli") == "cli"
+
+
+def test_one_image_reference_parser() -> None:
+    """Only oci/reference.py takes an image reference apart at its '@' (a URL's user info is not one)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "oci" / "reference.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("partition", "rpartition", "split", "rsplit") and node.args
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == "@"):
+                receiver = ast.get_source_segment(text, node.func.value) or ""
+                if "netloc" not in receiver and "://" not in receiver:
+                    found.append(f"{module_name(path)}:{node.lineno} {receiver}")
+    assert found == []

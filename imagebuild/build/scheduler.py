@@ -36,6 +36,7 @@ from imagebuild.core.report import (
 )
 from imagebuild.core.runner import Result, Runner, cancel_requested, docker_cli, uninterrupted
 from imagebuild.core.source import InputError
+from imagebuild.oci import reference
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, head_many
 from imagebuild.oci.copy import copy_within
 
@@ -310,7 +311,7 @@ class Builder:
         layer = self.plan.layers[key]
         # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
         base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
-        parent = ImageRef.parse(f"{base.split('@')[0]}@{rec.base_digest}") if base and rec.base_digest else None
+        parent = ImageRef.parse(f"{reference.split(base).name}@{rec.base_digest}") if base and rec.base_digest else None
         try:
             pushed = self.pusher.push(rec.image, parent)
         except (publish.PublishError, RegistryError, OSError, DockerException) as exc:

@@ -279,7 +279,7 @@ class SmokeRunner:
                              status="error", gpu_requested=expectations.gpu_requested,
                              tiers=self.options.tiers, pull_s=pull_s)
         if result.digest is None:  # --image by tag: the digest the engine knows it by
-            result.digest = next((d.split("@", 1)[1] for d in image.attrs.get("RepoDigests") or []), image.id)
+            result.digest = next((reference.split(d).digest for d in image.attrs.get("RepoDigests") or []), image.id)
         extra_paths = [Path(p).resolve() for p in extras]
         missing = [str(p) for p in extra_paths if not p.exists()]
         if missing:

@@ -248,11 +248,12 @@ def status_command(rollout_id: str | None, release_path: Path, output_format: st
 def _print_status(data: dict[str, Any]) -> None:
     """The table; free text of the record (reason, source, gate details) came from the state repository,
     so its control characters are escaped before they reach a terminal."""
-    from imagebuild.rollout.state import short, shown
+    from imagebuild.core.source import safe_text
+    from imagebuild.rollout.state import short
 
-    reason = f" ({shown(data['reason'], 2000)})" if data.get("reason") else ""
+    reason = f" ({safe_text(data['reason'], 2000)})" if data.get("reason") else ""
     click.echo(f"rollout {data['id']}: {data['status']}{reason}")
-    click.echo(f"  image {shown(data['source'], 300)}  channels {', '.join(data['channels'])}  "
+    click.echo(f"  image {safe_text(data['source'], 300)}  channels {', '.join(data['channels'])}  "
                f"step {data['next_step']}/{data['steps']}")
     click.echo(f"  {'WAVE':<12} {'REGION':<12} {'TAG':<24} {'CURRENT':<14} {'PREVIOUS':<14} STATE")
     for row in data["tags"]:
@@ -265,6 +266,6 @@ def _print_status(data: dict[str, Any]) -> None:
                    f"{row['wave_state']}{marker}")
     for wave, state in data["waves"].items():
         for gate in state.get("gates") or []:
-            click.echo(f"  gate {wave}/{shown(gate.get('gate'))}@{shown(gate.get('region'))}: "
-                       f"{shown(gate.get('outcome'))}: {shown(gate.get('detail'), 500)}")
+            click.echo(f"  gate {wave}/{safe_text(gate.get('gate'), 100)}@{safe_text(gate.get('region'), 100)}: "
+                       f"{safe_text(gate.get('outcome'), 100)}: {safe_text(gate.get('detail'), 500)}")
     click.echo("  (* = at this rollout's digest)")

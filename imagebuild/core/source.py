@@ -101,10 +101,11 @@ def escape_text(text: str) -> str:
     return UNSAFE_TEXT.sub(_escape, text)
 
 
-def safe_text(text: str, limit: int = 200) -> str:
+def safe_text(text: object, limit: int = 200) -> str:
     """Text from an untrusted source (a registry, an unverified document, a request) made safe for one
-    line of a terminal or a log: escaped (escape_text) and bounded to `limit` characters."""
-    escaped = escape_text(text)
+    line of a terminal or a log: escaped (escape_text) and bounded to `limit` characters. A value that
+    is not a string (a JSON number, list or null where a string belonged) is shown as its repr."""
+    escaped = escape_text(text if isinstance(text, str) else repr(text))
     return escaped if len(escaped) <= limit else escaped[:limit - 3] + "..."
 
 

@@ -50,6 +50,7 @@ from imagebuild.config.release_file import (
 from imagebuild.config.trust import TrustConfig
 from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import InputError
+from imagebuild.oci import reference
 from imagebuild.trust.verify import Verifier
 
 # How long a network gate may take, and when to ask again.
@@ -500,9 +501,13 @@ def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
     from imagebuild.checks import smoke_run
 
     where = f"region {ctx.region.name}"
-    repository, at, digest = ctx.image.partition("@")
-    if not at:
+    try:
+        parts = reference.split(ctx.image)
+    except reference.ReferenceError as exc:
+        return GateOutcome.FAILED, f"{where}: {exc}", None
+    if parts.digest is None:
         return GateOutcome.FAILED, f"{where}: smoke needs a digest reference, got {ctx.image}", None
+    repository, digest = parts.name, parts.digest
     workdir = (ctx.workdir or Path(".imagebuild/rollout")) / "smoke"
     try:
         client = smoke_run.docker_client()

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from imagebuild.config.release_file import ApprovalGate, GateSpec, Region, ReleaseConfig
 from imagebuild.config.trust import TrustConfig, load_trust_config
+from imagebuild.core.source import safe_text
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
 from imagebuild.rollout import gates
@@ -70,7 +71,6 @@ from imagebuild.rollout.state import (
     now_iso,
     open_store,
     region_registry,
-    shown,
     state_tag,
     who,
 )
@@ -180,9 +180,9 @@ class Lease:
     def describe(held: dict[str, Any], now: float) -> str:
         expires = held.get("expires_at")
         if not isinstance(expires, (int, float)) or isinstance(expires, bool):
-            return f"an unreadable lease (expires_at {shown(expires)}) holds it; delete it if no rollout runs"
+            return f"an unreadable lease (expires_at {safe_text(expires, 100)}) holds it; delete it if no rollout runs"
         left = expires - now
-        names = {key: shown(held.get(key), 64) for key in ("rollout", "user", "host", "pid")}
+        names = {key: safe_text(held.get(key), 64) for key in ("rollout", "user", "host", "pid")}
         return (f"rollout {names['rollout']} (user {names['user']} on {names['host']}, pid {names['pid']}) "
                 f"holds it for another {max(left, 0):.0f}s")
 
@@ -272,7 +272,7 @@ def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> di
     """The record, checked against release.yaml's plan (rollout_plan.check_record): the state repository
     is untrusted, so a record naming a tag, region or step of its own is refused before anything acts."""
     if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id):
-        raise RolloutError(f"'{shown(rollout_id)}' is not a rollout ID", EXIT_BAD_INPUT)
+        raise RolloutError(f"'{safe_text(rollout_id, 100)}' is not a rollout ID", EXIT_BAD_INPUT)
     where = f"{store.registry.registry}/{store.repository}:{record_tag(rollout_id)}"
     try:
         record = store.read(record_tag(rollout_id), RECORD_TYPE)
@@ -282,7 +282,7 @@ def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> di
         raise RolloutError(f"no rollout {rollout_id} in {store.registry.registry}/{store.repository}",
                            EXIT_BAD_INPUT)
     if record.get("schema") != SCHEMA:
-        raise RolloutError(f"rollout {rollout_id}: record schema {shown(record.get('schema'))} is not {SCHEMA}")
+        raise RolloutError(f"rollout {rollout_id}: record schema {safe_text(record.get('schema'), 100)} is not {SCHEMA}")
     try:
         check_record(config, record, rollout_id)
     except RecordMismatch as exc:
@@ -376,7 +376,7 @@ class Reconciler:
             return ()
         approvals = self.record["waves"][wave]["approvals"]
         if not approvals:
-            by, at = shown(marker.get("by"), 128), shown(marker.get("at"), 64)
+            by, at = safe_text(marker.get("by"), 128), safe_text(marker.get("at"), 64)
             approvals.append({"by": by, "at": at})
             self.journal.event("approved", wave=wave, by=by)
         return (wave,)
@@ -783,10 +783,10 @@ def check_resumable_source(trust: TrustConfig, record: dict[str, Any]) -> str:
     try:
         ref = parse_image(record["source"])
     except ValueError as exc:
-        raise StateRefused(f"rollout {record['id']}: its source '{shown(record['source'])}' is not an image "
+        raise StateRefused(f"rollout {record['id']}: its source '{safe_text(record['source'], 100)}' is not an image "
                            f"reference: {exc}") from None
     if ref.digest != record["digest"]:
-        raise StateRefused(f"rollout {record['id']}: its source '{shown(record['source'])}' does not name "
+        raise StateRefused(f"rollout {record['id']}: its source '{safe_text(record['source'], 100)}' does not name "
                            f"its digest {record['digest']}")
     return check_source(trust, record["source"])
 
@@ -875,7 +875,7 @@ def latest_rollout(config: ReleaseConfig, channels: Iterable[str]) -> str | None
             rollout = pointer["rollout"]
             if not isinstance(rollout, str) or not ROLLOUT_ID_PATTERN.fullmatch(rollout):
                 # It becomes a tag in a URL: only a rollout ID's grammar gets that far.
-                raise StateRefused(f"{state_tag('channel', channel)} names '{shown(rollout)}', not a rollout ID")
+                raise StateRefused(f"{state_tag('channel', channel)} names '{safe_text(rollout, 100)}', not a rollout ID")
             found.append((str(pointer.get("at", "")), rollout))
     finally:
         store.registry.close()

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from imagebuild.config.release_file import TAG_PATTERN, Region, ReleaseConfig
+from imagebuild.core.source import safe_text
 from imagebuild.oci.client import OCI_MANIFEST, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.retry import RetryPolicy
 from imagebuild.rollout.plan import DIGEST_PATTERN
@@ -52,12 +53,6 @@ class LeaseHeld(RolloutError):
 
 class StateRefused(RolloutError):
     """A document of the state repository is refused: malformed, or its blob does not match its descriptor."""
-
-
-def shown(value: Any, limit: int = 100) -> str:
-    """A value read from the state repository, fit for a message: control characters escaped, cut short."""
-    text = value if isinstance(value, str) else repr(value)
-    return text.encode("unicode_escape").decode("ascii")[:limit]
 
 
 def now_iso(now: float | None = None) -> str:
@@ -101,7 +96,7 @@ class StateStore:
         layer's descriptor is checked (digest grammar, size, media type) before the digest goes into a
         URL, and the blob's sha256 and length must match it before it is parsed. Else StateRefused."""
         if not TAG_PATTERN.fullmatch(tag):
-            raise StateRefused(f"state repository: '{shown(tag)}' is not a tag")
+            raise StateRefused(f"state repository: '{safe_text(tag, 100)}' is not a tag")
         found = self.registry.find_manifest(self.repository, tag)
         if found is None:
             return None
@@ -161,11 +156,11 @@ def _state_layer(raw: bytes, where: str, media_type: str | None) -> dict[str, An
     layer = layers[0]
     digest, size = layer.get("digest"), layer.get("size")
     if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
-        raise StateRefused(f"{where}: layer digest '{shown(digest)}' is not sha256:<64 hex>")
+        raise StateRefused(f"{where}: layer digest '{safe_text(digest, 100)}' is not sha256:<64 hex>")
     if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_RECORD_BYTES:
-        raise StateRefused(f"{where}: layer size {shown(size)} is not 0..{MAX_RECORD_BYTES}")
+        raise StateRefused(f"{where}: layer size {safe_text(size, 100)} is not 0..{MAX_RECORD_BYTES}")
     if media_type is not None and layer.get("mediaType") != media_type:
-        raise StateRefused(f"{where}: layer type '{shown(layer.get('mediaType'))}' is not {media_type}")
+        raise StateRefused(f"{where}: layer type '{safe_text(layer.get('mediaType'), 100)}' is not {media_type}")
     return layer
 
 
