@@ -31,8 +31,10 @@ class BadName(ValueError):
 
 def escaped(value: object, limit: int = _ESCAPED_LIMIT) -> str:
     """The value quoted with every control or non-ASCII character escaped, cut to a readable length."""
-    text = value if isinstance(value, str) else repr(value)
-    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
+    if not isinstance(value, str):  # a number, list or null where text belonged: as JSON-ish Python shows it
+        shown = ascii(value)
+        return shown[:limit] + ("..." if len(shown) > limit else "")
+    return ascii(value[:limit]) + ("..." if len(value) > limit else "")
 
 
 def is_digest(value: object) -> bool:

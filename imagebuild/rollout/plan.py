@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 from imagebuild.config.release_file import ReleaseConfig
 from imagebuild.oci import names
@@ -40,6 +40,79 @@ class RecordMismatch(ValueError):
 DIGEST_PATTERN = names.SHA256_DIGEST
 ROLLOUT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,80}")
 STATUSES = frozenset({"running", "halted", "aborted", "completed", "rolling-back", "rolled-back"})
+
+
+# --- the record's shape ---------------------------------------------------------------------
+# The rollout record as JSON in the state repository (tag rollout-<id>). The reconciler writes
+# it; what is read back is untrusted until check_record has compared it with the plan.
+
+
+class _StepDone(TypedDict, total=False):
+    done_at: str
+    result: dict[str, Any]  # what the step found or did (digests, bytes copied, gate outcomes)
+
+
+class _RollbackDone(TypedDict, total=False):
+    done_at: str
+    result: str  # what became of the tag (restored, deleted, already so)
+
+
+class StepEntry(_StepDone):
+    index: int
+    kind: str  # a StepKind's value
+    wave: str
+    region: str | None
+    tag: str | None
+    state: str  # pending | done
+
+
+class RollbackEntry(_RollbackDone):
+    index: int
+    wave: str
+    region: str
+    tag: str
+    moved_to: str
+    restore_to: str | None
+    state: str
+
+
+class RollbackState(TypedDict):
+    steps: list[RollbackEntry]
+    next_step: int
+    started_at: str
+
+
+class Approval(TypedDict):
+    by: str
+    at: str
+
+
+class WaveState(TypedDict):
+    state: str  # pending | copying | moving | gating | passed | ...
+    moved_at: float | None  # when its last tag moved: a soak counts from here
+    gates: list[dict[str, Any]]  # the latest outcome of each gate
+    approvals: list[Approval]
+
+
+class RolloutRecord(TypedDict):
+    schema: int
+    id: str
+    release: str
+    channels: list[str]
+    source: str
+    digest: str
+    status: str  # one of STATUSES
+    reason: str | None
+    created_at: str
+    updated_at: str
+    started_by: dict[str, str]
+    steps: list[StepEntry]
+    next_step: int
+    previous: dict[str, str | None]  # "region/tag" -> the digest it named before (None: absent)
+    present_before: dict[str, bool]  # region -> whether the digest was there before the copy
+    waves: dict[str, WaveState]
+    rollback: RollbackState | None
+    events: list[dict[str, Any]]  # the audit trail: only ever appended to
 
 
 @dataclass(frozen=True)
@@ -150,11 +223,6 @@ def plan_rollback(steps: Iterable[Step], previous: Mapping[tuple[str, str], str 
 # previous digest of each tag); every tag, region, wave and repository comes from release.yaml.
 
 
-def _shown(value: Any) -> str:
-    """An untrusted value in a message: quoted, control characters escaped, short."""
-    return ascii(value)[:100]
-
-
 def _need(condition: bool, message: str) -> None:
     if not condition:
         raise RecordMismatch(message)
@@ -162,7 +230,7 @@ def _need(condition: bool, message: str) -> None:
 
 def _digest_or_none(value: Any, where: str) -> str | None:
     _need(value is None or (isinstance(value, str) and DIGEST_PATTERN.fullmatch(value) is not None),
-          f"{where} is {_shown(value)}, not a sha256 digest")
+          f"{where} is {names.escaped(value)}, not a sha256 digest")
     return value  # type: ignore[no-any-return]
 
 
@@ -175,7 +243,7 @@ def _step_fields(entry: Any, where: str) -> tuple[Any, ...]:
     # A key of its own (a repository, a registry) would be ignored, but a record that carries one was not
     # written by a rollout: refused rather than half-believed.
     extra = sorted(set(entry) - _STEP_KEYS)
-    _need(not extra, f"{where} carries {_shown(extra)}, which a rollout step never records")
+    _need(not extra, f"{where} carries {names.escaped(extra)}, which a rollout step never records")
     return tuple(entry.get(key) for key in ("index", "kind", "wave", "region", "tag"))
 
 
@@ -183,8 +251,8 @@ def check_record(config: ReleaseConfig, record: Any, rollout_id: str) -> tuple[S
     """The steps release.yaml gives this record's digest and channels; RecordMismatch when the record
     names anything else (a tag, region, wave or step of its own), or is malformed."""
     _need(isinstance(record, dict), "the record is not a mapping")
-    _need(record.get("id") == rollout_id, f"its id is {_shown(record.get('id'))}, not {rollout_id}")
-    _need(record.get("status") in STATUSES, f"status {_shown(record.get('status'))} is not a rollout status")
+    _need(record.get("id") == rollout_id, f"its id is {names.escaped(record.get('id'))}, not {rollout_id}")
+    _need(record.get("status") in STATUSES, f"status {names.escaped(record.get('status'))} is not a rollout status")
     channels = record.get("channels")
     _need(isinstance(channels, list) and all(isinstance(c, str) for c in channels), "channels is not a list of tags")
     digest = record.get("digest")
@@ -200,11 +268,11 @@ def check_record(config: ReleaseConfig, record: Any, rollout_id: str) -> tuple[S
     for step, entry in zip(steps, recorded):
         expected = (step.index, step.kind.value, step.wave, step.region, step.tag)
         found = _step_fields(entry, f"step {step.index}")
-        _need(found == expected, f"step {step.index} is {_shown(found)}; release.yaml plans {step.describe()}")
-        _need(entry.get("state") in ("pending", "done"), f"step {step.index} has state {_shown(entry.get('state'))}")
+        _need(found == expected, f"step {step.index} is {names.escaped(found)}; release.yaml plans {step.describe()}")
+        _need(entry.get("state") in ("pending", "done"), f"step {step.index} has state {names.escaped(entry.get('state'))}")
     next_step = record.get("next_step")
     _need(isinstance(next_step, int) and not isinstance(next_step, bool) and 0 <= next_step <= len(steps),
-          f"next_step {_shown(next_step)} is not a step number")
+          f"next_step {names.escaped(next_step)} is not a step number")
     _check_previous(steps, record, next_step)
     _check_present_before(steps, record)
     _check_waves(config, record)
@@ -230,7 +298,7 @@ def _check_previous(steps: tuple[Step, ...], record: Mapping[str, Any], next_ste
     # A previous digest is recorded by its record-previous step, saved with that step's completion.
     recorded = {f"{s.region}/{s.tag}" for s in steps if s.kind is StepKind.RECORD and s.index < next_step}
     for key, value in previous.items():
-        _need(key in recorded, f"previous names {_shown(key)}, which no completed record-previous step "
+        _need(key in recorded, f"previous names {names.escaped(key)}, which no completed record-previous step "
                                f"of release.yaml's plan recorded")
         _digest_or_none(value, f"previous[{key}]")
 
@@ -241,20 +309,20 @@ def _check_present_before(steps: tuple[Step, ...], record: Mapping[str, Any]) ->
         raise RecordMismatch("present_before is not a mapping")
     copied = {s.region for s in steps if s.kind is StepKind.COPY}
     for region, value in present.items():
-        _need(region in copied and isinstance(value, bool), f"present_before names {_shown(region)}: "
-                                                            f"{_shown(value)}")
+        _need(region in copied and isinstance(value, bool), f"present_before names {names.escaped(region)}: "
+                                                            f"{names.escaped(value)}")
 
 
 def _check_waves(config: ReleaseConfig, record: Mapping[str, Any]) -> None:
     waves = record.get("waves")
     if not isinstance(waves, dict) or set(waves) != {w.name for w in config.waves}:
-        raise RecordMismatch(f"waves {_shown(list(waves) if isinstance(waves, dict) else waves)} are not "
+        raise RecordMismatch(f"waves {names.escaped(list(waves) if isinstance(waves, dict) else waves)} are not "
                              f"release.yaml's ({', '.join(w.name for w in config.waves)})")
     for name, state in waves.items():
         _need(isinstance(state, dict) and isinstance(state.get("state"), str), f"wave {name} has no state")
         moved_at = state.get("moved_at")
         _need(moved_at is None or (isinstance(moved_at, (int, float)) and not isinstance(moved_at, bool)),
-              f"wave {name}: moved_at {_shown(moved_at)} is not a time")
+              f"wave {name}: moved_at {names.escaped(moved_at)} is not a time")
         _need(isinstance(state.get("gates"), list) and isinstance(state.get("approvals"), list),
               f"wave {name}: gates and approvals are not lists")
 
@@ -271,7 +339,7 @@ def _check_rollback(steps: tuple[Step, ...], record: Mapping[str, Any]) -> None:
     for step, entry in zip(planned, found):
         _need(isinstance(entry, dict), f"rollback step {step.index} is not a mapping")
         got = {key: entry.get(key) for key in step.to_dict()}
-        _need(got == step.to_dict(), f"rollback step {step.index} is {_shown(got)}; the plan is {step.describe()}")
+        _need(got == step.to_dict(), f"rollback step {step.index} is {names.escaped(got)}; the plan is {step.describe()}")
     next_step = rollback.get("next_step")
     _need(isinstance(next_step, int) and not isinstance(next_step, bool) and 0 <= next_step <= len(planned),
-          f"rollback next_step {_shown(next_step)} is not a step number")
+          f"rollback next_step {names.escaped(next_step)} is not a step number")

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from imagebuild.config.release_file import ApprovalGate, GateSpec, Region, ReleaseConfig
 from imagebuild.config.trust import TrustConfig, load_trust_config
@@ -43,8 +43,12 @@ from imagebuild.rollout import gates
 from imagebuild.rollout.plan import (
     ROLLOUT_ID_PATTERN,
     RecordMismatch,
+    RollbackEntry,
+    RollbackState,
     RollbackStep,
+    RolloutRecord,
     Step,
+    StepEntry,
     StepKind,
     check_channels,
     check_record,
@@ -233,7 +237,7 @@ class Lease:
             pass  # it expires on its own
 
 
-def lease_for(config: ReleaseConfig, store: StateStore, record: dict[str, Any], timing: Timing | None = None) -> Lease:
+def lease_for(config: ReleaseConfig, store: StateStore, record: RolloutRecord, timing: Timing | None = None) -> Lease:
     timing = timing or Timing()
     return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, timing.settle_s,
                  timing.sleep)
@@ -251,12 +255,13 @@ def record_tag(rollout_id: str) -> str:
 
 
 def new_record(config: ReleaseConfig, rollout_id: str, source: str, digest: str, channels: tuple[str, ...],
-               steps: tuple[Step, ...]) -> dict[str, Any]:
+               steps: tuple[Step, ...]) -> RolloutRecord:
     return {
         "schema": SCHEMA, "id": rollout_id, "release": str(config.path), "channels": list(channels),
         "source": source, "digest": digest, "status": "running", "reason": None,
         "created_at": now_iso(), "updated_at": now_iso(), "started_by": who(),
-        "steps": [dict(step.to_dict(), state="pending") for step in steps], "next_step": 0,
+        "steps": [StepEntry(index=step.index, kind=step.kind.value, wave=step.wave, region=step.region, tag=step.tag,
+                            state="pending") for step in steps], "next_step": 0,
         "previous": {}, "present_before": {},
         "waves": {wave.name: {"state": "pending", "moved_at": None, "gates": [], "approvals": []}
                   for wave in config.waves},
@@ -268,7 +273,7 @@ def previous_key(region: str, tag: str) -> str:
     return f"{region}/{tag}"
 
 
-def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> dict[str, Any]:
+def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> RolloutRecord:
     """The record, checked against release.yaml's plan (rollout_plan.check_record): the state repository
     is untrusted, so a record naming a tag, region or step of its own is refused before anything acts."""
     if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id):
@@ -288,7 +293,7 @@ def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> di
     except RecordMismatch as exc:
         raise StateRefused(f"rollout {rollout_id}: refusing its record {where}: it disagrees with "
                            f"{config.path}: {exc}; nothing was changed") from None
-    return record
+    return cast(RolloutRecord, record)  # its shape is what check_record just compared with the plan
 
 
 @dataclass
@@ -297,7 +302,7 @@ class Journal:
 
     store: StateStore
     local_dir: Path
-    record: dict[str, Any]
+    record: RolloutRecord
 
     def save(self) -> None:
         self.record["updated_at"] = now_iso()
@@ -571,7 +576,7 @@ class Reconciler:
             for spec, region in specs:
                 ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
                                         digest=self.digest, channels=tuple(self.record["channels"]),
-                                        moved_at=float(state["moved_at"]), approvals=approvals, trust=self.trust,
+                                        moved_at=float(state["moved_at"] or 0.0), approvals=approvals, trust=self.trust,
                                         now=self.timing.clock(), rollout_id=self.record["id"],
                                         workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
@@ -614,8 +619,10 @@ class Reconciler:
         steps = plan_rollback(self.steps, previous_pairs(self.record), self.digest)
         rollback = self.record.get("rollback")
         if rollback is None:
-            rollback = {"steps": [dict(s.to_dict(), state="pending") for s in steps], "next_step": 0,
-                        "started_at": now_iso()}
+            rollback = RollbackState(
+                steps=[RollbackEntry(index=s.index, wave=s.wave, region=s.region, tag=s.tag, moved_to=s.moved_to,
+                                     restore_to=s.restore_to, state="pending") for s in steps],
+                next_step=0, started_at=now_iso())
             self.record["rollback"] = rollback
         self.record["status"] = "rolling-back"
         self.journal.event("rollback-start")
@@ -627,7 +634,7 @@ class Reconciler:
                 self.out(f"rollback {step.describe()}")
                 result = self._restore(step)
                 entry = rollback["steps"][step.index]
-                entry.update(state="done", done_at=now_iso(), result=result)
+                entry["state"], entry["done_at"], entry["result"] = "done", now_iso(), result
                 rollback["next_step"] = step.index + 1
                 self.journal.save()
         except StateRefused as refused:
@@ -768,7 +775,7 @@ def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path,
     return Journal(store, local_dir, record), lease_for(config, store, record, timing)
 
 
-def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> dict[str, Any]:
+def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> RolloutRecord:
     """The record as it stands now that we hold the lease (checked again); the lease is let go on a refusal."""
     try:
         journal.record = load_record(journal.store, journal.record["id"], config)
@@ -778,7 +785,7 @@ def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> dict[str, 
     return journal.record
 
 
-def check_resumable_source(trust: TrustConfig, record: dict[str, Any]) -> str:
+def check_resumable_source(trust: TrustConfig, record: RolloutRecord) -> str:
     """The record's source names its digest and verifies in staging now, as `start` demanded."""
     try:
         ref = parse_image(record["source"])
@@ -904,7 +911,7 @@ def status(config: ReleaseConfig, rollout_id: str) -> dict[str, Any]:
                              "repository": region.repository, "tag": tag, "current": current,
                              "previous": record["previous"].get(key), "previous_recorded": key in record["previous"],
                              "at_rollout_digest": current == record["digest"], "error": error,
-                             "wave_state": record["waves"].get(wave_of[region.name], {}).get("state")})
+                             "wave_state": record["waves"][wave_of[region.name]]["state"]})
         finally:
             registry.close()
     try:

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from imagebuild.config.release_file import TAG_PATTERN, Region, ReleaseConfig
@@ -123,7 +124,7 @@ class StateStore:
             raise StateRefused(f"{where}: its document is not a JSON object")
         return data
 
-    def write(self, tag: str, data: dict[str, Any], media_type: str) -> None:
+    def write(self, tag: str, data: Mapping[str, Any], media_type: str) -> None:
         content = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         config = self.registry.put_blob(self.repository, EMPTY_CONFIG)
         layer = self.registry.put_blob(self.repository, content)
