@@ -10,7 +10,9 @@ export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 python -m ruff check imagebuild tests bench
 python -m mypy  # files and strictness: [tool.mypy] in pyproject.toml
 set +e
-python -m pytest "$@"
+# Four workers: the two e2e groups (tests/e2e/conftest.py) each on one, in order; the unit tests
+# spread over all of them. IMAGEBUILD_TEST_WORKERS=0 runs everything in this one process.
+python -m pytest -n "${IMAGEBUILD_TEST_WORKERS:-4}" --dist loadgroup "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -26,10 +26,20 @@ STAGING = "127.0.0.1:5000"
 REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
+# The session fixtures that build, scan and sign the example: a test file that uses one runs with the
+# others that do, so the example is built once (scripts/test.sh runs the suite with pytest-xdist).
+EXAMPLE_FIXTURES = frozenset({"built_example", "scanned_example", "signed_example"})
+
+
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/e2e/" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
+    e2e = [item for item in items if "tests/e2e/" in str(item.fspath)]
+    with_example = {str(item.fspath) for item in e2e if EXAMPLE_FIXTURES.intersection(item.fixturenames)}
+    for item in e2e:
+        item.add_marker(pytest.mark.e2e)
+        # Each group runs in file order on one worker: the tests in a file may build on one another's
+        # registry state, and two groups share no session fixture that is slow to make.
+        group = "e2e-example" if str(item.fspath) in with_example else "e2e-standalone"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
