@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import ssl
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -546,6 +547,38 @@ class Registry:
             raise self._fail(response, "DELETE manifest", repository, reference)
         return True
 
+
+
+class Registries:
+    """One client per registry host for as long as a command runs: every image and thread that reaches a
+    host shares its connections and its tokens (verify, push and sign ask here, never build their own)."""
+
+    def __init__(self, *, insecure: Iterable[str] = (), timeout: float = 30.0, retry: RetryPolicy | None = None):
+        self.insecure = frozenset(insecure)  # plain http besides loopback registries
+        self.timeout = timeout
+        self.retry = retry
+        self._lock = threading.Lock()
+        self._clients: dict[str, Registry] = {}
+
+    def get(self, host: str) -> Registry:
+        with self._lock:
+            client = self._clients.get(host)
+            if client is None:
+                client = self._clients[host] = Registry(host, insecure=True if host in self.insecure else None,
+                                                        timeout=self.timeout, retry=self.retry)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def __enter__(self) -> Registries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 def _scrub(text: str, auth: RegistryAuth) -> str:
     """An httpx message quotes URLs, never headers; still, no secret leaves in an error."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from imagebuild.config.trust import TrustConfig
 from imagebuild.core.report import PushStage, SignStage, StageStatus, VariantRecord, record_stage
-from imagebuild.oci.client import ImageRef, Registry, RegistryAuthError, RegistryError, RegistryUnreachable
+from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryAuthError, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, CopyStats, copy_image
 from imagebuild.release import push_plan as plan
 from imagebuild.trust.sign import require_signed
@@ -108,17 +108,14 @@ class Promoter:
         self.verifier = Verifier(self.config, check_attestations=True, cache_ttl_seconds=0)
         self.force = force
         self.audit_log = audit_log
-        self.insecure = set(insecure_registries)
         self.copy_options = copy_options or CopyOptions(signatures=True)
         self.environ = dict(os.environ if environ is None else environ)
         self.on_event = on_event
-        self._registries: dict[str, Registry] = {}
+        self._registries = Registries(insecure=insecure_registries)
 
     def close(self) -> None:
         self.verifier.close()
-        for registry in self._registries.values():
-            registry.close()
-        self._registries.clear()
+        self._registries.close()
 
     def __enter__(self) -> Promoter:
         return self
@@ -127,9 +124,7 @@ class Promoter:
         self.close()
 
     def registry(self, host: str) -> Registry:
-        if host not in self._registries:
-            self._registries[host] = Registry(host, insecure=True if host in self.insecure else None)
-        return self._registries[host]
+        return self._registries.get(host)
 
     # --- one image ------------------------------------------------------------------------------
 

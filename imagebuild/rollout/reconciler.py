@@ -91,8 +91,10 @@ class Timing:
 
     settle_s: float = 2.0  # the lease's settle delay between writing it and reading it back
     retry_base_s: float = 1.0  # backoff before a region's next try: base, 2x base, 4x base
-    clock: Callable[[], float] = time.time  # soaks and gate polls; leases keep the wall clock other processes read
+    clock: Callable[[], float] = time.time  # soaks and gate polls
     sleep: Callable[[float], None] = time.sleep  # every wait: the settle, the backoffs, the gate polls
+    # A lease's expiry is a wall-clock time every process reads; a test may run one process ahead of it.
+    lease_clock: Callable[[], float] = time.time
 
 
 StepPhase = Literal["effect", "recorded"]
@@ -144,6 +146,7 @@ class Lease:
     ttl_s: float
     settle_s: float = 2.0
     sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.time  # wall-clock seconds: expires_at is compared across processes
     nonce: str = field(default_factory=lambda: secrets.token_hex(8))
     renewed_at: float = 0.0
 
@@ -191,7 +194,7 @@ class Lease:
                 f"holds it for another {max(left, 0):.0f}s")
 
     def acquire(self) -> None:
-        now = time.time()
+        now = self.clock()
         for tag, channel in zip(self.tags, sorted(self.channels)):
             held = self._read(tag)
             if self._blocking(held, now):
@@ -205,13 +208,13 @@ class Lease:
             held = self._read(tag)
             if not held or held.get("nonce") != self.nonce:
                 self._release_mine()
-                other = self.describe(held, time.time()) if held else "its lease vanished"
+                other = self.describe(held, self.clock()) if held else "its lease vanished"
                 raise LeaseHeld(f"channel '{channel}': another rollout took the lease at the same time: {other}")
         self.renewed_at = now
 
     def renew(self, force: bool = False) -> None:
         """Before every step: still ours? (else stop: another rollout overwrote it); rewritten when a third is used."""
-        now = time.time()
+        now = self.clock()
         for tag, channel in zip(self.tags, sorted(self.channels)):
             held = self._read(tag)
             if not held or held.get("nonce") != self.nonce:
@@ -240,7 +243,7 @@ class Lease:
 def lease_for(config: ReleaseConfig, store: StateStore, record: RolloutRecord, timing: Timing | None = None) -> Lease:
     timing = timing or Timing()
     return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, timing.settle_s,
-                 timing.sleep)
+                 timing.sleep, timing.lease_clock)
 
 
 # --- the record ------------------------------------------------------------------------------

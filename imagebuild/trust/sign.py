@@ -59,7 +59,7 @@ from imagebuild.core.report import (
 )
 from imagebuild.core.runner import PinnedTool, Result, Runner, cancel_requested, find_pinned
 from imagebuild.core.source import InputError
-from imagebuild.oci.client import ImageRef, Registry, RegistryError, base_url
+from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, base_url
 from imagebuild.trust import attest, provenance, verify
 
 # The pinned cosign; scripts/versions.env says the same (COSIGN_VERSION), a test keeps them equal.
@@ -365,11 +365,6 @@ def attested_digests(client: Registry, image: str, digest: str, key: verify.Key 
     return {name: next(iter(digests)) for name, digests in found.items()}
 
 
-def registry_for(image: str, options: SignOptions) -> Registry:
-    registry = ImageRef.parse(image).registry
-    return Registry(registry, insecure=True if registry in options.insecure_registries else None)
-
-
 # --- predicates from the workdir -------------------------------------------------------------------
 
 
@@ -575,6 +570,7 @@ class SignRun:
         self.report_path = self.report_path.resolve()
         self.workdir = self.report_path.parent
         self._signer: SignerKey | None = None
+        self.registries = Registries(insecure=self.options.insecure_registries)
 
     def signer_key(self) -> SignerKey:
         """The signing key's public half, asked of cosign once per run; none with keyless signing."""
@@ -608,15 +604,20 @@ class SignRun:
                     prepared[variant.id] = exc
         one_image_per_registry = {ImageRef.parse(v.image).registry: v.image for v in variants
                                   if v.id in prepared and v.image}
-        for image in one_image_per_registry.values():
-            with registry_for(image, self.options) as client:
-                client.ping()  # RegistryError: exit 3
-        outcomes = []
-        for variant in variants:
-            if cancel_requested():
-                break
-            outcomes.append(self.one(variant, prepared.get(variant.id)))
-        return outcomes
+        try:
+            for image in one_image_per_registry.values():
+                self.client_for(image).ping()  # RegistryError: exit 3
+            outcomes = []
+            for variant in variants:
+                if cancel_requested():
+                    break
+                outcomes.append(self.one(variant, prepared.get(variant.id)))
+            return outcomes
+        finally:
+            self.registries.close()
+
+    def client_for(self, image: str) -> Registry:
+        return self.registries.get(ImageRef.parse(image).registry)
 
     def _record(self, variant: VariantRecord, record: SignStage) -> None:
         variant.stages["sign"] = record
@@ -637,25 +638,25 @@ class SignRun:
             self._record(variant, record)
             return SignOutcome(variant.id, image, variant.digest, "refused", record)
         digest = variant.digest or ""
-        with registry_for(image, self.options) as client:
-            earlier = variant.stage(SignStage)
-            if earlier is not None and self.already_signed(earlier, variant, client):
-                return SignOutcome(variant.id, image, digest, "skipped", earlier)
-            self.on_event("start", variant, image)
-            try:
-                if predicates is None:
-                    predicates = build_predicates(self.workdir, variant)
-                if isinstance(predicates, SignError):
-                    raise predicates
-                record = self._sign(variant, client, predicates)
-            except KeyboardInterrupt:  # tools.Cancelled too: the rerun does this variant again
-                self._record(variant, self._base(variant, StageStatus.INTERRUPTED, reason="interrupted"))
-                raise
-            except (SignError, RegistryError) as exc:
-                record = self._base(variant, StageStatus.FAILED, reason=str(exc).strip().splitlines()[0][:500])
-                self._record(variant, record)
-                self.on_event("done", variant, f"failed: {record.reason}")
-                return SignOutcome(variant.id, image, digest, "failed", record)
+        client = self.client_for(image)
+        earlier = variant.stage(SignStage)
+        if earlier is not None and self.already_signed(earlier, variant, client):
+            return SignOutcome(variant.id, image, digest, "skipped", earlier)
+        self.on_event("start", variant, image)
+        try:
+            if predicates is None:
+                predicates = build_predicates(self.workdir, variant)
+            if isinstance(predicates, SignError):
+                raise predicates
+            record = self._sign(variant, client, predicates)
+        except KeyboardInterrupt:  # tools.Cancelled too: the rerun does this variant again
+            self._record(variant, self._base(variant, StageStatus.INTERRUPTED, reason="interrupted"))
+            raise
+        except (SignError, RegistryError) as exc:
+            record = self._base(variant, StageStatus.FAILED, reason=str(exc).strip().splitlines()[0][:500])
+            self._record(variant, record)
+            self.on_event("done", variant, f"failed: {record.reason}")
+            return SignOutcome(variant.id, image, digest, "failed", record)
         self._record(variant, record)
         self.on_event("done", variant, done_message(record, self.signer_key()))
         return SignOutcome(variant.id, image, digest, "signed", record)

@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from imagebuild.config.trust import PublicKey, Requirements, TrustConfig
 from imagebuild.core.source import InputError, safe_text
 from imagebuild.oci import names, reference
-from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
+from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.retry import QUICK_RETRIES
 from imagebuild.trust.attest import (
     PREDICATE_GATE,
@@ -674,7 +674,7 @@ class Verifier:
         self.ttl = float(config.cache_ttl_seconds if cache_ttl_seconds is None else cache_ttl_seconds)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._registries: dict[str, Registry] = {}
+        self._registries = Registries(timeout=timeout_s, retry=QUICK_RETRIES)
         self._cache: dict[tuple[str, str], tuple[float, ImageVerdict]] = {}
         self._in_flight: dict[tuple[str, str], Future[ImageVerdict]] = {}
         self._pool: ThreadPoolExecutor | None = None  # the concurrent reads of each verification
@@ -685,12 +685,10 @@ class Verifier:
 
     def close(self) -> None:
         with self._lock:
-            registries, self._registries = list(self._registries.values()), {}
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        for registry in registries:
-            registry.close()
+        self._registries.close()
 
     def _reads(self, registry: Registry, repository: str, known_blobs: Mapping[str, bytes] | None = None) -> _Reads:
         with self._lock:
@@ -787,10 +785,7 @@ class Verifier:
         return None if found is None else "sha256:" + hashlib.sha256(found[0]).hexdigest()
 
     def _registry(self, host: str) -> Registry:
-        with self._lock:
-            if host not in self._registries:
-                self._registries[host] = Registry(host, timeout=self.timeout_s, retry=QUICK_RETRIES)
-            return self._registries[host]
+        return self._registries.get(host)
 
     def _verdict_for(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
         """The cached verdict, or the one a concurrent caller is computing, or a fresh one."""

@@ -99,26 +99,28 @@ class Setup:
         """A signed image already serving `tag` in every region (what a rollout replaces); region -> digest."""
         return {region: make_image(self.tmp_path, host, self.repository, tag) for region, host in self.regions.items()}
 
-    def argv(self, *args: str, kill_at: str | None = None, real: bool = False) -> list[str]:
-        """`python -m imagebuild` (its own waits) or tests/e2e/rollout_cli.py: short waits, a SIGKILL at kill_at."""
+    def argv(self, *args: str, kill_at: str | None = None, real: bool = False, lease_ahead_s: float = 0.0) -> list[str]:
+        """`python -m imagebuild` (its own waits) or tests/e2e/rollout_cli.py: short waits, a SIGKILL at kill_at,
+        leases read `lease_ahead_s` seconds in the future."""
         kill = ["--kill-at", kill_at] if kill_at else []
-        entry = ["imagebuild"] if real else ["tests.e2e.rollout_cli", *FAST, *kill]
+        ahead = ["--lease-clock-ahead-s", str(lease_ahead_s)] if lease_ahead_s else []
+        entry = ["imagebuild"] if real else ["tests.e2e.rollout_cli", *FAST, *kill, *ahead]
         return [sys.executable, "-m", *entry, "rollout", *args, "--release", str(self.release),
                 *(["--state-dir", str(self.state_dir)] if args[0] != "status" else [])]
 
-    def cli(self, *args: str, kill_at: str | None = None, real: bool = False,
+    def cli(self, *args: str, kill_at: str | None = None, real: bool = False, lease_ahead_s: float = 0.0,
             timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args, kill_at=kill_at, real=real), cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=timeout, env=dict(os.environ))
+        return subprocess.run(self.argv(*args, kill_at=kill_at, real=real, lease_ahead_s=lease_ahead_s), cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
     def popen(self, *args: str, real: bool = False) -> subprocess.Popen:
         return subprocess.Popen(self.argv(*args, real=real), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=dict(os.environ))
 
-    def start(self, image: str, *channels: str, kill_at: str | None = None,
-              real: bool = False) -> subprocess.CompletedProcess:
+    def start(self, image: str, *channels: str, kill_at: str | None = None, real: bool = False,
+              lease_ahead_s: float = 0.0) -> subprocess.CompletedProcess:
         return self.cli("start", "--image", image, *[arg for c in channels or ("stable",) for arg in ("--channel", c)],
-                        kill_at=kill_at, real=real)
+                        kill_at=kill_at, real=real, lease_ahead_s=lease_ahead_s)
 
     def tag(self, region: str, tag: str) -> str | None:
         with Registry(self.regions[region]) as registry:
@@ -646,15 +648,15 @@ def test_the_signed_example_rolls_out_with_its_attestations(tmp_path, signed_exa
 
 def test_a_crashed_rollouts_lease_blocks_another_rollout_until_it_expires(tmp_path):
     setup = Setup(tmp_path)
-    setup.write(CANARY_THEN_REST, lease_ttl="8s")
+    setup.write(CANARY_THEN_REST, lease_ttl="60s")
     crashed = setup.start(setup.source("one"), kill_at="recorded:0")
     assert crashed.returncode == -signal.SIGKILL
-    killed_at = time.time()
     other = setup.source("two")
     refused = setup.start(other)
     assert refused.returncode == 4, refused.stderr
     assert f"rollout {rollout_id_of(crashed)}" in refused.stderr and "holds it for another" in refused.stderr
-    time.sleep(max(0.0, killed_at + 8.5 - time.time()))
-    proceeded = setup.start(other)
+    still_held = setup.start(other, lease_ahead_s=50)  # ten seconds before it expires: still refused
+    assert still_held.returncode == 4, still_held.stderr
+    proceeded = setup.start(other, lease_ahead_s=61)  # a minute later, as a real clock would be: expired
     assert proceeded.returncode == 0, proceeded.stderr
     assert setup.tag("eu-west", "stable") == other.split("@")[1]
