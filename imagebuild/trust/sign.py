@@ -292,10 +292,14 @@ def secret_values(options: SignOptions) -> list[str]:
 
 
 def _manifest(client: Registry, repository: str, tag: str) -> dict[str, Any] | None:
-    if client.head_manifest(repository, tag) is None:
+    """A `.sig` or `.att` manifest, read as verify reads it (size-capped, its digest checked); None when absent."""
+    found = client.find_manifest(repository, tag, max_bytes=verify.MAX_SIGNATURE_MANIFEST_BYTES)
+    if found is None:
         return None
-    raw, _, _ = client.get_manifest(repository, tag)
-    data = json.loads(raw)
+    try:
+        data = json.loads(found[0])
+    except ValueError:
+        return None
     return data if isinstance(data, dict) else None
 
 
