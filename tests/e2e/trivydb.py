@@ -8,6 +8,7 @@ program writes DIR/db/trivy.db and DIR/db/metadata.json, so that `trivy --cache-
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -54,8 +55,11 @@ def build_program() -> Path:
     # -buildvcs=false: no git stamping (a CI clone may be shallow or owned by another user).
     env = {**os.environ, "GOCACHE": str(BUILD / "gocache"), "GOTOOLCHAIN": "local",
            "GOFLAGS": "-mod=readonly -buildvcs=false"}
-    proc = subprocess.run([go, "build", "-trimpath", "-o", str(binary), "."], cwd=SOURCE, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    # Two pytest-xdist workers may want it at once: one builds, the other waits and finds it built.
+    with open(BUILD / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run([go, "build", "-trimpath", "-o", str(binary), "."], cwd=SOURCE, env=env,
+                              capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise FixtureError(f"go build in {SOURCE} failed (the Go module proxy must be reachable the first time):\n"
                            f"{proc.stderr[-3000:]}")
