@@ -31,6 +31,7 @@ REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south":
 EXAMPLE_FIXTURES = frozenset({"built_example", "scanned_example", "signed_example"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(items):
     e2e = [item for item in items if "tests/e2e/" in str(item.fspath)]
     with_example = {str(item.fspath) for item in e2e if EXAMPLE_FIXTURES.intersection(item.fixturenames)}
