@@ -13,13 +13,12 @@ from typing import Any
 
 from imagebuild.config.tiers import TIERS
 from imagebuild.core.source import Document, InputError, Reader, load_document, suggest
+from imagebuild.oci import names
 
 SCHEMA = 1
 # OCI distribution-spec tag grammar.
-TAG_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+TAG_PATTERN = names.TAG
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
-_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -197,7 +196,7 @@ def parse_release(doc: Document, path: Path) -> ReleaseConfig:
         trust_path = path.parent / trust_path
     state = r.mapping(top["state"], ("state",), allowed=("registry", "repository"), required=("registry", "repository"))
     state_registry = r.pattern(state["registry"], ("state", "registry"), _REGISTRY, "a registry host[:port]")
-    state_repository = r.pattern(state["repository"], ("state", "repository"), _REPOSITORY, "a repository name")
+    state_repository = r.pattern(state["repository"], ("state", "repository"), names.REPOSITORY, "a repository name")
     lease_ttl = r.duration(top["lease_ttl"], ("lease_ttl",), minimum=5.0) if "lease_ttl" in top else 600.0
     regions = _regions(r, top["regions"])
     channels = _channels(r, top["channels"])
@@ -215,14 +214,15 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
         at: tuple[str | int, ...] = ("regions", index)
         data = r.mapping(item, at, allowed=("name", "registry", "repository", "harbor_project", "credentials"),
                          required=("name", "registry", "repository"))
-        name = r.pattern(data["name"], at + ("name",), _NAME, "a region name (lower-case letters, digits, -)")
+        name = r.pattern(data["name"], at + ("name",), names.NAME,
+                         "a region name (lower-case letters, digits, - inside; at most 63)")
         if name in seen:
             raise r.error(at + ("name",), f"region '{name}' is declared twice (first as regions[{seen[name]}])")
         seen[name] = index
         registry = r.pattern(data["registry"], at + ("registry",), _REGISTRY, "a registry host[:port]")
-        repository = r.pattern(data["repository"], at + ("repository",), _REPOSITORY, "a repository name")
+        repository = r.pattern(data["repository"], at + ("repository",), names.REPOSITORY, "a repository name")
         project = data.get("harbor_project")
-        harbor_project = (r.pattern(project, at + ("harbor_project",), _NAME, "a Harbor project name")
+        harbor_project = (r.pattern(project, at + ("harbor_project",), names.PROJECT, "a Harbor project name")
                           if project is not None else None)
         credentials = _credentials(r, data["credentials"], at + ("credentials",)) if "credentials" in data else None
         regions.append(Region(name, registry, repository, harbor_project, credentials))
@@ -263,14 +263,14 @@ def _waves(r: _ReleaseReader, value: Any, declared: set[str]) -> tuple[Wave, ...
     items = r.sequence(value, ("waves",), non_empty=True)
     waves: list[Wave] = []
     placed: dict[str, str] = {}
-    names: set[str] = set()
+    seen: set[str] = set()
     for index, item in enumerate(items):
         at: tuple[str | int, ...] = ("waves", index)
         data = r.mapping(item, at, allowed=("name", "regions", "gates"), required=("name", "regions"))
-        name = r.pattern(data["name"], at + ("name",), _NAME, "a wave name (lower-case letters, digits, -)")
-        if name in names:
+        name = r.pattern(data["name"], at + ("name",), names.NAME, "a wave name (lower-case letters, digits, - inside)")
+        if name in seen:
             raise r.error(at + ("name",), f"wave '{name}' is declared twice")
-        names.add(name)
+        seen.add(name)
         region_names = r.sequence(data["regions"], at + ("regions",), non_empty=True)
         regions: list[str] = []
         for position, region_value in enumerate(region_names):

@@ -21,6 +21,10 @@ SHA256_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component: separators ., _, __, -+
 REPOSITORY = re.compile(rf"{COMPONENT}(?:/{COMPONENT})*")
+# A Harbor project, and a region's or wave's name in a release file: Harbor refuses doubled
+# separators in a project, and a region name goes into PromQL label matchers, URLs and tags.
+PROJECT = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")
+NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label
 _TAG, _REPOSITORY = TAG, REPOSITORY
 _ESCAPED_LIMIT = 200  # characters of a refused value quoted in a message
 

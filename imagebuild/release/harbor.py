@@ -24,12 +24,12 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from imagebuild.oci import reference
+from imagebuild.oci import names, reference
 
 API = "/api/v2.0"
 SEVERITIES = ("none", "low", "medium", "high", "critical")
 # Harbor's rule for project and robot names (lower case; separators only between alphanumerics).
-NAME_RULE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
+NAME_RULE = names.PROJECT  # Harbor's rule for project (and repository component) names
 # Harbor's default robot name prefix; an instance can configure another, so names are matched
 # on the part after it.
 ROBOT_PREFIX = "robot$"
@@ -251,7 +251,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def check_name(kind: str, name: str) -> None:
-    if not NAME_RULE.match(name) or len(name) > 255:
+    if not NAME_RULE.fullmatch(name) or len(name) > 255:
         raise ValueError(f"{name!r} is not a valid Harbor {kind} name (lower-case letters and digits, "
                          f"separated by single . _ or -)")
 

@@ -50,7 +50,7 @@ from imagebuild.config.release_file import (
 from imagebuild.config.trust import TrustConfig
 from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import InputError
-from imagebuild.oci import reference
+from imagebuild.oci import names, reference
 from imagebuild.trust.verify import Verifier
 
 # How long a network gate may take, and when to ask again.
@@ -63,8 +63,8 @@ NO_DATA_GRACE_S = 300.0
 MAX_RANGE_POINTS = 250  # points per series in a `for` window (Prometheus refuses over 11000)
 MAX_RESPONSE_BYTES = 4 << 20
 
-# A region name goes into PromQL label matchers and URLs; only these names are substituted.
-REGION_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+# A region name goes into PromQL label matchers and URLs: only names of the release file's rule are substituted.
+REGION_NAME = names.NAME
 PLACEHOLDER = "{region}"
 
 
