@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from imagebuild.oci.retry import parse_retry_after
 from imagebuild.release import harbor
 
 from .harbor_standin import HarborSpec
@@ -186,14 +187,19 @@ def test_refuses_addresses_that_are_not_harbor_or_unsafe(url, words):
         harbor.check_base_url(url)
 
 
-def test_retry_delay_honours_retry_after_and_backs_off_exponentially_with_jitter():
-    assert harbor.retry_delay(1, 0.5, "3") == 3.0
-    assert harbor.retry_delay(1, 0.5, "3600") == 30.0  # capped
+def test_harbors_retry_policy_honours_retry_after_up_to_30s_and_backs_off_exponentially_with_jitter():
+    policy = harbor.HARBOR_RETRIES  # HarborClient's defaults: --retries 4, from 0.5 s
+    assert policy.attempts == 5 and policy.max_elapsed_s == float("inf")
+    assert policy.delay(0, parse_retry_after("3")) == 3.0
+    assert policy.delay(0, parse_retry_after("3600")) == 30.0  # capped, then tried again
     http_date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 5))
-    assert 3.0 <= harbor.retry_delay(1, 0.5, http_date) <= 5.0
-    delays = [harbor.retry_delay(n, 0.5, None) for n in (1, 2, 3)]
-    assert 0.25 <= delays[0] <= 0.5 and 0.5 <= delays[1] <= 1.0 and 1.0 <= delays[2] <= 2.0
-    assert 0.25 <= harbor.retry_delay(1, 0.5, "soon") <= 0.5
+    assert 3.0 <= policy.delay(0, parse_retry_after(http_date)) <= 5.0
+    ceilings = [policy.delay(n, None, rng=lambda: 1.0) for n in range(8)]
+    assert ceilings == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert all(0.0 <= policy.delay(n, None) <= ceiling for n, ceiling in enumerate(ceilings))
+    assert policy.delay(0, parse_retry_after("soon"), rng=lambda: 1.0) == 0.5  # unreadable: as if absent
+    # Every method may be retried on an answer; a POST is not sent again once it may have reached Harbor.
+    assert policy.send_once == frozenset() and policy.resend_unsent_only == {"POST"}
 
 
 def test_secrets_stay_out_of_reprs_and_reports():

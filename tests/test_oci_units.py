@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import stat
 import uuid
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -33,6 +31,8 @@ from imagebuild.oci.copy import cosign_tag
 from imagebuild.oci.locations import BlobLocations, default_cache_dir
 from imagebuild.oci.names import BadName, check_descriptor, check_digest, check_reference, check_tag, is_loopback
 from imagebuild.oci.retry import RetryPolicy, parse_retry_after
+
+from .conftest import program_on_path
 
 ROBOT = "robot$imagebuild+ci"
 
@@ -122,13 +122,7 @@ def test_a_missing_config_means_anonymous_and_a_broken_one_is_an_error_without_i
 
 def _helper(tmp_path: Path, name: str, script: str, monkeypatch) -> Path:
     """A credential helper program on PATH speaking docker's protocol (stdin: server URL)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    path = bin_dir / f"docker-credential-{name}"
-    path.write_text("#!/bin/sh\n" + script)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return path
+    return program_on_path(tmp_path, f"docker-credential-{name}", script, monkeypatch)
 
 
 def test_cred_helpers_come_before_creds_store_which_comes_before_auths(tmp_path, monkeypatch):
@@ -398,6 +392,8 @@ def test_a_retry_after_is_obeyed_unless_longer_than_the_policy_allows():
     assert policy.delay(0, 12.0) == 12.0
     assert policy.delay(0, 31.0) is None
     assert policy.delay(2, None, rng=lambda: 1.0) == policy.base_delay_s * 4
+    capped = RetryPolicy(max_retry_after_s=30, cap_retry_after=True)  # Harbor's: wait the most, then try again
+    assert capped.delay(0, 12.0) == 12.0 and capped.delay(0, 3600.0) == 30.0
 
 
 # --- transport and names --------------------------------------------------------------------

@@ -32,6 +32,23 @@ def gone_within(marker: str, seconds: float) -> bool:
     return True
 
 
+def sigterm_once_running(program: str, args: list[str], marker: str, children: int = 1) -> tuple[int, str]:
+    """Run the Python `program` in a process of its own (signal handlers and the cancel are per process);
+    SIGTERM it once `children` processes have `marker` in their command line. Its exit code and output."""
+    proc = subprocess.Popen([sys.executable, "-c", program, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        deadline = time.monotonic() + 30
+        while len(alive(marker)) < children:
+            assert time.monotonic() < deadline, "the children never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    return proc.returncode, out
+
+
 def test_a_child_printing_forever_is_stopped_at_its_deadline():
     marker = f"chatty-{uuid.uuid4().hex}"
     chatty = f"import time\nwhile True:\n    print('{marker} line', flush=True)\n    time.sleep(0.1)\n"
@@ -120,17 +137,34 @@ def test_sigterm_raises_cancelled_in_the_main_thread_and_no_child_outlives_it(tm
             sys.exit(143)
     """)
     # The marker reaches the program as an argument, so only the children's command lines say "sleep MARKER".
-    proc = subprocess.Popen([sys.executable, "-c", program, marker], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    try:
-        deadline = time.monotonic() + 30
-        while len(alive(f"sleep {marker}")) < 2:
-            assert time.monotonic() < deadline, "the children never started"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143
+    returncode, out = sigterm_once_running(program, [marker], f"sleep {marker}", children=2)
+    assert returncode == 143
     assert out.split() == ["cancelled", str(int(signal.SIGTERM)), "False", "True"]
     assert gone_within(f"sleep {marker}", 5), "a child of the cancelled process is still running"
+
+
+def test_input_reaches_the_childs_stdin_which_then_closes():
+    result = Runner().run(["sh", "-c", 'read first; echo "got $first"; cat | wc -l'], input="one\ntwo\nthree\n",
+                          timeout=30)
+    assert result.returncode == 0 and result.output.split() == ["got", "one", "2"]
+    assert Runner().run(["cat"], timeout=30).output == ""  # no input: /dev/null, not this process's stdin
+
+
+def test_a_child_that_reads_no_input_cannot_hold_past_its_deadline_however_much_there_is():
+    marker = f"{3000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**6}"
+    started = time.monotonic()
+    result = Runner().run(["sleep", marker], input="x" * (4 << 20), timeout=1.5)  # far more than a pipe holds
+    assert result.timed_out and time.monotonic() - started < 5
+    assert gone_within(f"sleep {marker}", 5)
+    done = Runner().run(["head", "-c", "10"], input="y" * (4 << 20), timeout=30)  # stops reading half-way
+    assert done.returncode == 0 and done.output == "y" * 10
+
+
+def test_stderr_apart_from_stdout_both_redacted_and_both_in_the_log(tmp_path):
+    log = tmp_path / "out.log"
+    script = "echo 'answer s3cr3t-value'; echo 'warning s3cr3t-value' >&2; echo tail >&2"
+    result = Runner().run(["sh", "-c", script], secrets=["s3cr3t-value"], separate_stderr=True, log=log, timeout=30)
+    assert (result.returncode, result.output, result.stderr) == (0, "answer ***\n", "warning ***\ntail\n")
+    assert sorted(log.read_text().splitlines()) == ["answer ***", "tail", "warning ***"]
+    merged = Runner().run(["sh", "-c", script], timeout=30)
+    assert merged.stderr == "" and "warning s3cr3t-value" in merged.output

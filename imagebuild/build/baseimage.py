@@ -26,13 +26,13 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from imagebuild.core.runner import Runner
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 
 MIRROR_ENV = "IMAGEBUILD_BASE_MIRROR"
@@ -183,10 +183,7 @@ def mmdebstrap(sources: list[AptSource], suite: str, include: str, epoch: int, t
     partial = target.with_name(target.name + ".partial")
     command = [exe, "--variant=minbase", "--format=tar", "--skip=output/dev", f"--include={include}",
                f"--customize-hook={ROOTFS_HOOK}", suite, str(partial), *(s.line() for s in sources)]
-    with log.open("wb") as out:
-        proc = subprocess.run(command, check=False, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL,
-                              env={**os.environ, "SOURCE_DATE_EPOCH": str(epoch)})
+    proc = Runner().run(command, log=log, env={"SOURCE_DATE_EPOCH": str(epoch)})
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
         tail = log.read_text(errors="replace").splitlines()[-15:]
@@ -294,11 +291,15 @@ def compose(rootfs: Path, out_dir: Path, epoch: int, architecture: str, created_
 
 
 def dpkg_architecture() -> str:
+    command = ["dpkg", "--print-architecture"]
     try:
-        return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError) as exc:
+        done = Runner().run(command, separate_stderr=True)
+    except OSError as exc:
         raise ToolMissingError(f"dpkg --print-architecture failed: {exc}") from None
+    if done.returncode != 0:
+        raise ToolMissingError(f"dpkg --print-architecture failed: Command '{command!r}' returned non-zero "
+                               f"exit status {done.returncode}.")
+    return done.output.strip()
 
 
 # OCI/Docker names of Debian architectures that differ (the rest are the same word).

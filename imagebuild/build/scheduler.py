@@ -10,7 +10,6 @@ import contextlib
 import datetime as dt
 import os
 import re
-import subprocess
 import tempfile
 import threading
 import time
@@ -62,10 +61,12 @@ def git_revision(cwd: Path) -> tuple[str, str]:
     SOURCE_DATE_EPOCH, the reproducible-builds convention, overrides the time.
     """
     try:
-        out = subprocess.run(["git", "log", "-1", "--format=%H %ct"], cwd=cwd, capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
+        done = Runner().run(["git", "log", "-1", "--format=%H %ct"], cwd=cwd, separate_stderr=True, timeout=10)
+        if done.returncode != 0:
+            raise ValueError(f"git log: exit {done.returncode}")
+        out = done.output.split()
         commit, seconds = out[0], int(out[1])
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError):
         commit, seconds = "unknown", 0
     if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
         seconds = int(os.environ["SOURCE_DATE_EPOCH"])

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -96,10 +95,10 @@ def host_has_gpu() -> bool:
     if not smi:
         return False
     try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
+        out = Runner().run([smi, "-L"], separate_stderr=True, timeout=30)
+    except OSError:
         return False
-    return out.returncode == 0 and "GPU" in out.stdout
+    return out.returncode == 0 and "GPU" in out.output
 
 
 def harness_key() -> str:

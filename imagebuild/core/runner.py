@@ -1,7 +1,9 @@
 """Finding external binaries, and the one subprocess runner, which redacts secrets.
 
-Every external command (docker build, trivy, cosign) goes through `run`, so a secret value
-handed to a tool can never reach a log file or a report verbatim.
+Every external command (docker build, trivy, cosign, credential helpers, git, mmdebstrap) goes
+through `Runner.run`, so a secret value handed to a tool can never reach a log file or a report
+verbatim, and a cancel stops every child. This is the one module that imports subprocess
+(tests/test_one_way.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import IO
 
 TOOLS_DIR = Path(os.environ.get("IMAGEBUILD_TOOLS_DIR", "/opt/imagebuild-tools/bin"))
 REDACTED = "***"
@@ -135,9 +138,10 @@ def docker_cli() -> str:
 @dataclass
 class Result:
     returncode: int
-    output: str  # stdout and stderr, redacted
+    output: str  # stdout and stderr, redacted (stdout only when run with separate_stderr)
     timed_out: bool = False  # the deadline passed; the process group was stopped (returncode 124)
     cancelled: bool = False  # a cancel stopped it, or came before it could start
+    stderr: str = ""  # with separate_stderr: stderr, redacted
 
 
 EXIT_TIMED_OUT = 124  # as coreutils' timeout(1) says it
@@ -231,7 +235,8 @@ class Runner:
 
     def run(self, cmd: Sequence[str], *, secrets: Iterable[str] = (), log: Path | None = None,
             env: dict[str, str | None] | None = None, timeout: float | None = None, cwd: Path | None = None,
-            keep: Callable[[str], bool] | None = None, inherit: bool = True) -> Result:
+            keep: Callable[[str], bool] | None = None, inherit: bool = True, input: str | None = None,
+            separate_stderr: bool = False) -> Result:
         """Run `cmd`; its output, redacted, goes to `log` and the Result.
 
         `env` adds to this process's environment; a None value removes that variable. With
@@ -239,21 +244,31 @@ class Runner:
         `keep` drops lines from both (a tool whose debug output we need a few lines of, like
         Trivy's, would otherwise fill memory and disk with millions we do not).
         `timeout` (seconds): then the process group is stopped and the Result says timed_out (124).
+        `input` is written to the child's stdin, which is then closed; without it stdin is /dev/null.
+        `separate_stderr`: Result.output holds stdout only and Result.stderr holds stderr, for a tool
+        whose answer on stdout is parsed (JSON, a commit) while it may warn on stderr. A tool whose
+        answer is a secret (a credential helper) is run without `log`: the Result alone holds it.
+        An absent program raises FileNotFoundError (an OSError), as it did when the tool was started.
         """
         secrets = list(secrets)
         base = os.environ if inherit else child_environment()
         environment = {k: v for k, v in {**base, **(env or {})}.items() if v is not None}
         chunks: list[str] = []
+        errors: list[str] = []
         handle = log.open("w", encoding="utf-8") if log else None
 
-        def take(line: str) -> None:
-            if keep is not None and not keep(line):
-                return
-            clean = redact(line, secrets)
-            chunks.append(clean)
-            if handle:
-                handle.write(clean)
-                handle.flush()
+        def taker(into: list[str]) -> Callable[[str], None]:
+            def take(line: str) -> None:
+                if keep is not None and not keep(line):
+                    return
+                clean = redact(line, secrets)
+                into.append(clean)
+                if handle:
+                    handle.write(clean)
+                    handle.flush()
+            return take
+
+        take = taker(chunks)
 
         process: subprocess.Popen[bytes] | None = None
         try:
@@ -261,13 +276,18 @@ class Runner:
                 if self._stopped or cancel_requested():
                     take("imagebuild: cancelled before it started\n")
                     return Result(EXIT_CANCELLED, "".join(chunks), cancelled=True)
-                process = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, env=environment, cwd=cwd,
-                                           start_new_session=True)
+                process = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                                           stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT,
+                                           env=environment, cwd=cwd, start_new_session=True)
                 _children.add(process)
                 self._running.add(process)
             deadline = None if timeout is None else time.monotonic() + timeout
-            timed_out = not _pump(process, deadline, take)
+            assert process.stdout is not None
+            readers = {process.stdout: take}
+            if process.stderr is not None:
+                readers[process.stderr] = taker(errors)
+            timed_out = not _pump(process, deadline, readers, None if input is None else input.encode())
             if not timed_out:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -277,8 +297,9 @@ class Runner:
             if timed_out:
                 _stop([process])
                 take(f"\nimagebuild: timed out after {timeout:g} s\n")
-                return Result(EXIT_TIMED_OUT, "".join(chunks), timed_out=True)
-            return Result(process.returncode, "".join(chunks), cancelled=self._stopped or cancel_requested())
+                return Result(EXIT_TIMED_OUT, "".join(chunks), timed_out=True, stderr="".join(errors))
+            return Result(process.returncode, "".join(chunks), cancelled=self._stopped or cancel_requested(),
+                          stderr="".join(errors))
         finally:
             if process is not None:
                 with _children_lock:
@@ -286,8 +307,10 @@ class Runner:
                     self._running.discard(process)
                 if process.poll() is None:  # an exception (a cancel) on the way out: leave nothing behind
                     _stop([process])
-                if process.stdout is not None:
-                    process.stdout.close()
+                for pipe in (process.stdin, process.stdout, process.stderr):
+                    if pipe is not None:
+                        with contextlib.suppress(OSError):  # stdin: a child gone before reading it all
+                            pipe.close()
             if handle:
                 handle.close()
 
@@ -299,31 +322,68 @@ class Runner:
         _stop(running)
 
 
-def _pump(process: subprocess.Popen[bytes], deadline: float | None, take: Callable[[str], None]) -> bool:
-    """Hand each line of the process's output to `take` until it closes; False when the deadline came first."""
-    assert process.stdout is not None
-    fd = process.stdout.fileno()
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""
+class _Lines:
+    """One output pipe, decoded and cut into lines for its `take`."""
+
+    def __init__(self, take: Callable[[str], None]) -> None:
+        self.take = take
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending = ""
+
+    def feed(self, data: bytes) -> None:
+        """Bytes as they came; b"" at the end of the output."""
+        self.pending += self.decoder.decode(data, final=not data)
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.take(line + "\n")
+        if not data and self.pending:
+            self.take(self.pending)
+            self.pending = ""
+
+
+def _pump(process: subprocess.Popen[bytes], deadline: float | None,
+          readers: Mapping[IO[bytes], Callable[[str], None]], feed: bytes | None = None) -> bool:
+    """Hand each line of each output pipe to its reader until all of them close, writing `feed` to the
+    child's stdin meanwhile (then closing it); False when the deadline came first.
+
+    One loop for both directions, so a child that does not read its input, or fills one pipe while
+    this process writes to it, cannot hold past the deadline."""
+    written = 0
     with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while True:
+        for pipe, take in readers.items():
+            selector.register(pipe.fileno(), selectors.EVENT_READ, (pipe, _Lines(take)))
+        if process.stdin is not None:
+            if feed:
+                os.set_blocking(process.stdin.fileno(), False)
+                selector.register(process.stdin.fileno(), selectors.EVENT_WRITE, None)
+            else:
+                process.stdin.close()
+        reading = len(readers)
+        while reading:
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
                 return False
-            if not selector.select(wait):
-                continue
-            data = os.read(fd, 65536)
-            text = decoder.decode(data, final=not data)
-            pending += text
-            *lines, pending = pending.split("\n")
-            for line in lines:
-                take(line + "\n")
-            if not data:
-                if pending:
-                    take(pending)
-                process.stdout.close()
-                return True
+            for key, _ in selector.select(wait):
+                if key.data is None:  # stdin has room
+                    assert process.stdin is not None and feed is not None
+                    try:
+                        written += os.write(key.fd, feed[written:written + 65536])
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # BrokenPipeError: the child closed its input; it has what it read
+                        written = len(feed)
+                    if written >= len(feed):
+                        selector.unregister(key.fd)
+                        process.stdin.close()
+                    continue
+                pipe, lines = key.data
+                data = os.read(key.fd, 65536)
+                lines.feed(data)
+                if not data:
+                    selector.unregister(key.fd)
+                    pipe.close()
+                    reading -= 1
+        return True
 
 
 def _stop(processes: list[subprocess.Popen[bytes]]) -> None:

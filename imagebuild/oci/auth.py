@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from imagebuild.core.runner import Runner
 from imagebuild.oci.names import escaped, is_loopback, split_host
 
 DOCKER_HUB_HOSTS = ("registry-1.docker.io", "docker.io", "index.docker.io")
@@ -226,29 +226,30 @@ class DockerConfig:
         return None if creds.empty else creds
 
 
-HelperRunner = Callable[[list[str], str], subprocess.CompletedProcess[str]]
+HELPER_TIMEOUT_S = 60.0
 
 
-def _run_helper(argv: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60)
+def credentials_from_helper(helper: str, registry: str, runner: Runner | None = None) -> Credentials | None:
+    """`docker-credential-<helper> get` with the server URL on stdin; None when it knows no credentials.
 
-
-def credentials_from_helper(helper: str, registry: str, run: HelperRunner = _run_helper) -> Credentials | None:
-    """`docker-credential-<helper> get` with the server URL on stdin; None when it knows no credentials."""
+    Through the one runner (a cancel stops it too), with no log: its answer is the secret."""
     program = f"docker-credential-{helper}"
     try:
-        done = run([program, "get"], config_key(registry))
+        done = (runner or Runner()).run([program, "get"], input=config_key(registry), separate_stderr=True,
+                                        timeout=HELPER_TIMEOUT_S)
     except FileNotFoundError:
         raise CredentialError(f"{registry}: credential helper {program} is not installed") from None
-    except subprocess.TimeoutExpired:
-        raise CredentialError(f"{registry}: credential helper {program} did not answer in time") from None
+    if done.timed_out:
+        raise CredentialError(f"{registry}: credential helper {program} did not answer in time")
+    if done.cancelled:
+        raise CredentialError(f"{registry}: credential helper {program} was stopped by a cancel")
     if done.returncode != 0:
         # The helpers' protocol: "credentials not found in native keychain" means none stored.
-        if "credentials not found" in (done.stdout + done.stderr).lower():
+        if "credentials not found" in (done.output + done.stderr).lower():
             return None
         raise CredentialError(f"{registry}: credential helper {program} failed (exit {done.returncode})")
     try:
-        answer = json.loads(done.stdout)
+        answer = json.loads(done.output)
         username, secret = str(answer.get("Username", "")), str(answer.get("Secret", ""))
     except (ValueError, AttributeError):
         raise CredentialError(f"{registry}: credential helper {program} answered something other than JSON") from None
@@ -259,12 +260,12 @@ def credentials_from_helper(helper: str, registry: str, run: HelperRunner = _run
 
 
 def credentials_for(registry: str, config: DockerConfig | None = None,
-                    run: HelperRunner = _run_helper) -> Credentials:
+                    runner: Runner | None = None) -> Credentials:
     """What docker would send to `registry`: its credential helper's, else the config's `auths`, else none."""
     config = config if config is not None else DockerConfig.load()
     helper = config.helper_for(registry)
     if helper:
-        found = credentials_from_helper(helper, registry, run)
+        found = credentials_from_helper(helper, registry, runner)
         if found:
             return found
     return config.from_auths(registry) or ANONYMOUS

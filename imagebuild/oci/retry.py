@@ -1,8 +1,10 @@
-"""Retrying registry requests: 429, 5xx and dropped connections, with backoff, jitter and Retry-After.
+"""Retrying HTTP requests: 429, 5xx and dropped connections, with backoff, jitter and Retry-After.
 
-A transport wrapper, so every request of a client retries the same way (token requests,
-HEADs, manifest and chunk uploads). A request whose body is a one-shot stream cannot be
-sent twice; it is passed through once and its caller resumes (see oci_copy's uploads).
+The one retry engine of imagebuild: the registry client and Harbor's REST client both send
+through `RetryingTransport`, each with its `RetryPolicy`. A transport wrapper, so every request
+of a client retries the same way (token requests, HEADs, manifest and chunk uploads). A request
+whose body is a one-shot stream cannot be sent twice; it is passed through once and its caller
+resumes (see oci_copy's uploads).
 """
 from __future__ import annotations
 
@@ -48,8 +50,16 @@ class RetryPolicy:
     base_delay_s: float = 0.5
     max_delay_s: float = 20.0
     max_elapsed_s: float = 120.0
-    # A Retry-After longer than this is not waited out: the request fails instead.
+    # A Retry-After longer than this is not waited out: the request fails instead ...
     max_retry_after_s: float = 60.0
+    # ... unless this is set: then it is waited max_retry_after_s and the request tried again.
+    cap_retry_after: bool = False
+    # Methods sent once only, whatever the answer: a registry's chunk upload (PATCH) is resumed
+    # from what the registry says it holds rather than sent again.
+    send_once: frozenset[str] = frozenset({"PATCH"})
+    # Methods sent again after a broken connection only when it broke before the request went
+    # out (NOT_SENT): one that may have reached the server may have created something (Harbor's POSTs).
+    resend_unsent_only: frozenset[str] = frozenset()
 
     def backoff(self, retry: int, rng: Callable[[], float] = random.random) -> float:
         """Full jitter: uniform in [0, min(max, base * 2**retry)] for the retry-th retry (0-based)."""
@@ -57,9 +67,12 @@ class RetryPolicy:
         return float(ceiling * rng())
 
     def delay(self, retry: int, retry_after: float | None, rng: Callable[[], float] = random.random) -> float | None:
-        """How long to wait before retry number `retry`, or None when the server's wait is too long."""
+        """How long to wait before retry number `retry`, or None when the server's wait is too long
+        (with cap_retry_after: the longest wait allowed instead)."""
         if retry_after is not None:
-            return retry_after if retry_after <= self.max_retry_after_s else None
+            if retry_after <= self.max_retry_after_s:
+                return retry_after
+            return self.max_retry_after_s if self.cap_retry_after else None
         return self.backoff(retry, rng)
 
 
@@ -95,10 +108,14 @@ def tls_failure(exc: BaseException) -> bool:
     return False
 
 
-def _replayable(request: httpx.Request) -> bool:
-    """Bodies in memory can be sent again; a chunk (PATCH) is not: its uploader asks the registry
-    how much arrived and resumes, rather than resending bytes the registry may already hold."""
-    return isinstance(request.stream, httpx.ByteStream) and request.method != "PATCH"
+# Failures that come before any of the request was sent: safe to send again, whatever it does.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def _replayable(request: httpx.Request, policy: RetryPolicy) -> bool:
+    """Bodies in memory can be sent again; a registry's chunk (PATCH, in send_once) is not: its uploader
+    asks the registry how much arrived and resumes, rather than resending bytes it may already hold."""
+    return isinstance(request.stream, httpx.ByteStream) and request.method not in policy.send_once
 
 
 class RetryingTransport(httpx.BaseTransport):
@@ -111,13 +128,15 @@ class RetryingTransport(httpx.BaseTransport):
         started = time.monotonic()
         retry = 0
         while True:
-            last_try = retry + 1 >= self.policy.attempts or not _replayable(request)
+            last_try = retry + 1 >= self.policy.attempts or not _replayable(request, self.policy)
             try:
                 response = self.inner.handle_request(request)
                 if response.status_code not in RETRY_STATUSES:
                     return self._read_small(request, response, last_try)
             except httpx.TransportError as exc:  # no answer, or a body cut short
                 if last_try or tls_failure(exc) or isinstance(exc, httpx.UnsupportedProtocol):
+                    raise
+                if request.method in self.policy.resend_unsent_only and not isinstance(exc, NOT_SENT):
                     raise
                 wait = self.policy.delay(retry, None, self._rng)
                 assert wait is not None  # without a Retry-After there is always a backoff

@@ -3,21 +3,20 @@
 `ensure()` brings one project to the state a release needs and says what it changed; running
 it again changes nothing. `imagebuild harbor ensure` calls it, and so does push. The request
 builders and the readers of Harbor's answers are pure functions (unit-tested); `HarborClient`
-does the I/O, with retries on 429/5xx and on connections that fail before a request is sent.
+does the I/O, with retries on 429/5xx and on failed connections (oci.retry's engine, HARBOR_RETRIES).
 
 Secrets: the admin password only ever goes into the Authorization header, and a robot's secret
 only into `RobotResult.secret` (hidden from repr); neither is put into a message or a report.
 """
 from __future__ import annotations
 
-import email.utils
 import ipaddress
-import random
+import math
 import re
 import ssl
-import time
+import urllib.request
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -25,6 +24,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from imagebuild.oci import names, reference
+from imagebuild.oci.retry import RETRY_STATUSES, RetryingTransport, RetryLog, RetryPolicy
 
 API = "/api/v2.0"
 SEVERITIES = ("none", "low", "medium", "high", "critical")
@@ -40,7 +40,6 @@ ROBOT_ACCESS: tuple[tuple[str, str], ...] = (("repository", "pull"), ("repositor
 DEFAULT_IMMUTABLE_TAGS = ("[0-9]*",)
 VULN_REPORT_MIMES = ("application/vnd.security.vulnerability.report; version=1.1",
                      "application/vnd.scanner.adapter.vuln.report.harbor+json; version=1.0")
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _SAFE_TEXT = re.compile(r"[^\x20-\x7e]")
 
 
@@ -446,21 +445,28 @@ def _error_text(response: httpx.Response) -> str:
     return _SAFE_TEXT.sub("?", text)[:300] or response.reason_phrase
 
 
-def retry_delay(attempt: int, backoff: float, retry_after: str | None, cap: float = 30.0) -> float:
-    """Seconds to wait before retry ATTEMPT (1, 2, ...): Retry-After if Harbor gave one, else
-    exponential backoff with jitter (so that many CI jobs do not retry in step)."""
-    if retry_after:
-        if retry_after.strip().isdigit():
-            return min(float(retry_after.strip()), cap)
-        try:
-            when = email.utils.parsedate_to_datetime(retry_after)
-            return max(0.0, min(when.timestamp() - time.time(), cap))
-        except (TypeError, ValueError):
-            pass  # neither seconds nor an HTTP date: back off as if it were absent
-    return float(min(backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.0), cap))
-
-
 # -- I/O ------------------------------------------------------------------------------
+
+
+# Harbor's retries on oci.retry's engine: on 429/5xx and on failed connections, backing off from
+# half a second (jittered, so that many CI jobs do not retry in step) up to 30 s, for as long as the
+# tries take; a Retry-After is honoured up to 30 s. Any method may be retried on an answer, but a
+# POST whose connection broke after it may have reached Harbor is not sent again (it may have created
+# what it asked for). HarborClient sets the number of tries and the first backoff.
+HARBOR_RETRIES = RetryPolicy(attempts=5, base_delay_s=0.5, max_delay_s=30.0, max_elapsed_s=math.inf,
+                             max_retry_after_s=30.0, cap_retry_after=True, send_once=frozenset(),
+                             resend_unsent_only=frozenset({"POST"}))
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment names for URL (HTTPS_PROXY, ALL_PROXY, NO_PROXY, ...), as a client
+    that trusts the environment picks it: httpx does not when it is handed its transport."""
+    parts = urlsplit(url)
+    if urllib.request.proxy_bypass(parts.netloc):
+        return None
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    return proxy if not proxy or "://" in proxy else f"http://{proxy}"
 
 
 class HarborClient:
@@ -470,13 +476,15 @@ class HarborClient:
                  backoff: float = 0.5, timeout: float = 30.0):
         self.url = check_base_url(url)
         self.username = credentials.username
-        self.retries = retries
-        self.backoff = backoff
+        self.retry_log = RetryLog()
         verify: ssl.SSLContext | bool = True
         if ca_bundle is not None:
             verify = ssl.create_default_context(cafile=str(ca_bundle))
+        transport = RetryingTransport(httpx.HTTPTransport(verify=verify, proxy=_env_proxy(self.url)),
+                                      replace(HARBOR_RETRIES, attempts=retries + 1, base_delay_s=backoff),
+                                      self.retry_log)
         self._http = httpx.Client(base_url=self.url + API, auth=(credentials.username, credentials.password),
-                                  verify=verify, timeout=timeout, trust_env=True,
+                                  timeout=timeout, transport=transport,
                                   headers={"Accept": "application/json", "User-Agent": "imagebuild-harbor"})
 
     def __enter__(self) -> HarborClient:
@@ -493,29 +501,17 @@ class HarborClient:
     def request(self, method: str, path: str, *, what: str, params: Mapping[str, Any] | None = None,
                 json: Any = None, headers: Mapping[str, str] | None = None,
                 expect: tuple[int, ...] = (200,), tolerate: tuple[int, ...] = ()) -> httpx.Response:
-        """METHOD PATH, retried on 429/5xx and on failed connections; a status outside EXPECT and
-        TOLERATE raises. WHAT says what the request does, for the error line."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                response = self._http.request(method, path, params=params, json=json, headers=headers)
-            except httpx.HTTPError as err:
-                # A request whose connection failed before sending is safe to repeat; one that
-                # may have reached Harbor is repeated only when repeating it is harmless.
-                sent = not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
-                untrusted = "CERTIFICATE_VERIFY_FAILED" in str(err)  # no retry makes the certificate trusted
-                if attempt > self.retries or (sent and method == "POST") or untrusted:
-                    raise HarborUnavailable(f"cannot reach Harbor at {self.url} to {what}: "
-                                            f"{_SAFE_TEXT.sub('?', str(err) or type(err).__name__)}") from None
-                time.sleep(retry_delay(attempt, self.backoff, None))
-                continue
-            if response.status_code in RETRY_STATUSES and attempt <= self.retries:
-                time.sleep(retry_delay(attempt, self.backoff, response.headers.get("Retry-After")))
-                continue
-            if response.status_code in expect or response.status_code in tolerate:
-                return response
-            raise self._failure(response, what, attempt)
+        """METHOD PATH, retried on 429/5xx and on failed connections (HARBOR_RETRIES); a status outside
+        EXPECT and TOLERATE raises. WHAT says what the request does, for the error line."""
+        retried = self.retry_log.retries
+        try:
+            response = self._http.request(method, path, params=params, json=json, headers=headers)
+        except httpx.HTTPError as err:
+            raise HarborUnavailable(f"cannot reach Harbor at {self.url} to {what}: "
+                                    f"{_SAFE_TEXT.sub('?', str(err) or type(err).__name__)}") from None
+        if response.status_code in expect or response.status_code in tolerate:
+            return response
+        raise self._failure(response, what, self.retry_log.retries - retried + 1)
 
     def _failure(self, response: httpx.Response, what: str, attempts: int) -> HarborError:
         status = response.status_code
