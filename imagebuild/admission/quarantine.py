@@ -21,6 +21,7 @@ from typing import Any
 
 from imagebuild.admission.review import Verdict
 from imagebuild.config.trust import QuarantineSource
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import safe_text
 from imagebuild.oci import names
 from imagebuild.oci.client import Registry, RegistryError, RegistryUnreachable
@@ -31,7 +32,7 @@ MAX_MARK_BYTES = 256 << 10  # a reason and the blocking findings of one scan
 MAX_CACHED = 4096  # digests remembered; the oldest answers go first
 
 
-class MarkUnreadable(Exception):
+class MarkUnreadable(ImagebuildError):
     """A mark is there, but it is not a quarantine mark this webhook can read."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import safe_text
 from imagebuild.oci import names, reference
 
@@ -72,7 +73,7 @@ _UID = re.compile(r"[A-Za-z0-9._:-]+")
 _UNPRINTABLE = re.compile(r"[^\x21-\x7e]")  # in an image reference: anything but visible ASCII
 
 
-class ReviewRejected(Exception):
+class ReviewRejected(ImagebuildError):
     """The body is not an AdmissionReview this webhook can judge; uid is None when nobody can be answered."""
 
     def __init__(self, message: str, uid: str | None = None) -> None:

@@ -43,6 +43,7 @@ import h11
 
 from imagebuild.admission import review as admission
 from imagebuild.admission.review import Policy, Verdict
+from imagebuild.core.errors import ImagebuildError
 
 T = TypeVar("T")
 REVIEW_PATHS = {"/validate": False, "/mutate": True}  # path -> pin (the mutating answer)
@@ -249,7 +250,7 @@ def client_key(host: str) -> str:
     return str(address)
 
 
-class Refusal(Exception):
+class Refusal(ImagebuildError):
     """An answer to send instead of a review (411, 413, 408, ...); the connection closes after it."""
 
     def __init__(self, status: HTTPStatus, message: str) -> None:

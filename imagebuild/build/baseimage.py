@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.runner import Runner
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 
@@ -50,16 +51,20 @@ PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GZIP_LEVEL = 6
 
 
-class BaseImageError(Exception):
+class BaseImageError(ImagebuildError):
     """The base image could not be built or pushed; the message says why."""
 
 
 class SourcesError(BaseImageError):
     """The apt configuration does not name what the base image needs (bad input: exit 2)."""
 
+    exit_code = ExitCode.BAD_INPUT
+
 
 class ToolMissingError(BaseImageError):
     """A program the build needs is not installed (exit 3)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
 
 # --- apt sources (pure) -----------------------------------------------------------------------------
@@ -389,15 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         result = build(args.workdir, args.suite, args.include, args.epoch, sources)
         digest = push(result.image, args.push) if args.push else result.image.digest
-    except SourcesError as exc:
+    except BaseImageError as exc:  # SourcesError 2, ToolMissingError 3, any other 1
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ToolMissingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except BaseImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     print(json.dumps({"digest": digest, "reference": args.push, "packages": len(result.packages),
                       "sources": [s.line() for s in result.sources],
                       "diff_id": result.image.diff_id,

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from imagebuild.core.errors import ImagebuildError
+
 FILE_ENTRY = 1
 SEGMENT_ENTRY = 2
 CHUNK = 1 << 20
 
 
-class StorageUnreadable(Exception):
+class StorageUnreadable(ImagebuildError):
     """The engine's storage cannot give this image's bytes; the message says why."""
 
 

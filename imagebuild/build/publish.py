@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from imagebuild.build.layerstore import EngineStorage, StorageUnreadable
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
@@ -51,7 +52,7 @@ COMPRESSION_LEVEL = 1
 CHUNK = 1 << 20
 
 
-class PublishError(Exception):
+class PublishError(ImagebuildError):
     """The image could not be pushed; the message says why."""
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import stage_dict
 from imagebuild.core.source import Document, PathKey, Reader, known_list, suggest
 
@@ -160,7 +161,7 @@ def _date(r: Reader, value: Any, path: PathKey) -> dt.date:
 # --- Trivy's reports --------------------------------------------------------------------------
 
 
-class ReportError(ValueError):
+class ReportError(ImagebuildError, ValueError):
     """A Trivy report that is not one (wrong schema, missing fields)."""
 
 
@@ -419,7 +420,7 @@ def evaluate(policy: Policy, scans: Iterable[ImageScan], today: dt.date, strict:
 # --- what sign and push ask -----------------------------------------------------------------------
 
 
-class GateRefusal(Exception):
+class GateRefusal(ImagebuildError):
     """A variant may not be signed or pushed: its gate did not pass for this very image."""
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.checks import gate
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import BuildReport, ScanStage, StageStatus, VariantRecord, record_stage
 from imagebuild.core.runner import PinnedTool, Result, Runner, ToolMissing, find_pinned, uninterrupted
 from imagebuild.core.source import InputError
@@ -56,7 +57,7 @@ _MISSING_IMAGE = "Missing image ID in cache"
 _DETECTED_DIFFS = "[image] Detected diff ID"
 
 
-class ScanError(Exception):
+class ScanError(ImagebuildError):
     """Trivy could not do its work (exit code, unreadable output)."""
 
 

@@ -13,8 +13,9 @@ from imagebuild.admission import review as admission
 from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
 from imagebuild.admission.review import Verdict
 from imagebuild.admission.server import DecisionLog, ServerSettings, serve, tls_context
-from imagebuild.cli.common import EXIT_FAILED, echo, reports_input_errors, trust_file_option
+from imagebuild.cli.common import echo, reports_input_errors, trust_file_option
 from imagebuild.config.trust import FailurePolicy, Mode, TrustConfig, load_trust_config
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 from imagebuild.trust.verify import Verifier
 
@@ -81,7 +82,7 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
         serve(settings, context, _checks(config, verifier), _policy(config), DecisionLog(sys.stderr))
     except OSError as err:
         echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 @admission_group.command("review")
@@ -112,7 +113,7 @@ def review_command(trust_path: Path, review_file: Path, mutate: bool) -> None:
         raise InputError(str(review_file), None, "", outcome.body["error"])
     click.echo(json.dumps(outcome.body, indent=2))
     if not outcome.body["response"]["allowed"]:
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def _checks(config: TrustConfig, verifier: Verifier) -> Callable[[str], Verdict]:

@@ -11,7 +11,6 @@ import click
 from imagebuild.build import plan as planning
 from imagebuild.build import scheduler as building
 from imagebuild.cli.common import (
-    EXIT_FAILED,
     _revision,
     dockerfiles_dir,
     echo,
@@ -29,6 +28,7 @@ from imagebuild.cli.progress import progress_for
 from imagebuild.config.matrix import load_matrix
 from imagebuild.config.selection import Selection
 from imagebuild.core import report as reporting
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -107,7 +107,7 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
         secrets.close()
     print_build_summary(report, workdir / "build-report.json", output_format)
     if report.status == "failed":
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def print_build_summary(report: reporting.BuildReport, path: Path, output_format: str) -> None:

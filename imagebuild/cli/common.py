@@ -1,4 +1,4 @@
-"""What every command shares: exit codes, consoles, the input-error wrapper and common options."""
+"""What every command shares: how a command ends (its error line and exit code), consoles and common options."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from imagebuild.config import selection
+from imagebuild.core.errors import exit_code_of
 from imagebuild.core.runner import ToolMissing, cancel_children, install_signal_handlers, uninterrupted
 from imagebuild.core.source import InputError, escape_text
 from imagebuild.oci.client import RegistryError
@@ -21,12 +22,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from imagebuild.config.trust import TrustConfig
-
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_ENVIRONMENT = 3  # a tool or service is missing or unreachable
-EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): 128 + 2, as shells report it
-EXIT_TERMINATED = 143  # SIGTERM (a CI cancel): 128 + 15
 
 
 def _console(**kwargs: Any) -> Console:
@@ -102,11 +97,13 @@ def debugging() -> bool:
 
 
 def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """How every command ends when it cannot finish, always in one line on stderr.
+    """How every command ends when it cannot finish, always in one line on stderr; the exit code is
+    the error's own (core.errors: every ImagebuildError carries it), the one place codes are chosen.
 
-    Bad input: `file:line: key: message`, exit 2. A missing tool or service: exit 3.
-    SIGINT/SIGTERM: the children are stopped, the stage records what finished, exit 130/143.
-    Any other error: the stage has written its report; `error: STAGE: message`, exit 1, and a
+    Bad input (InputError): `file:line: key: message`, exit 2. A missing tool (ToolMissing) or a
+    registry that fails (RegistryError): exit 3. SIGINT/SIGTERM: the children are stopped, the stage
+    records what finished, exit 130/143. Any other error: the stage has written its report;
+    `error: STAGE: message`, its exit code (1 for an exception imagebuild does not define), and a
     traceback only with IMAGEBUILD_DEBUG=1 (or `imagebuild --debug`).
     """
 
@@ -116,35 +113,37 @@ def reports_input_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         install_signal_handlers()
         try:
             return func(*args, **kwargs)
-        except InputError as err:
-            echo(f"error: {err}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-        except ToolMissing as err:  # may quote a tool's last lines
-            click.echo(f"error: {safe_lines(err)}", err=True)
-            sys.exit(EXIT_ENVIRONMENT)
-        except RegistryError as err:  # its text may quote the registry's answer
-            echo(f"error: registry: {err}", err=True)
-            sys.exit(EXIT_ENVIRONMENT)
-        except KeyboardInterrupt as err:  # tools.Cancelled (SIGTERM) included
-            cancel_children()
-            signum = getattr(err, "signum", signal.SIGINT)
-            click.echo(f"interrupted by {signal.Signals(signum).name}: {stage} stopped, its running tools "
-                       f"with it{_report_note()}", err=True)
-            sys.exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors and exits, printed by click
-        except Exception as err:  # noqa: BLE001 -- any error at all ends in one line, not a traceback
-            try:
-                with uninterrupted():
-                    cancel_children()
-            except KeyboardInterrupt:  # a signal during the cleanup: it is done now, and this ends anyway
-                pass
-            if debugging():
-                traceback.print_exc()
-            echo(f"error: {stage}: {_one_line(err)}{_report_note()}", err=True)
-            sys.exit(EXIT_FAILED)
+        except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 -- any error at all ends in one line
+            click.echo(_last_line(stage, err), err=True)
+            sys.exit(exit_code_of(err))
 
     return wrapper
+
+
+def _last_line(stage: str, err: BaseException) -> str:
+    """The line a command that ERR stopped ends with; for a signal or an unexpected error, once its
+    running tools are stopped."""
+    if isinstance(err, InputError):
+        return safe(f"error: {err}")
+    if isinstance(err, ToolMissing):  # may quote a tool's last lines
+        return f"error: {safe_lines(err)}"
+    if isinstance(err, RegistryError):  # its text may quote the registry's answer
+        return safe(f"error: registry: {err}")
+    if isinstance(err, KeyboardInterrupt):  # tools.Cancelled (SIGTERM) included
+        cancel_children()
+        signum = getattr(err, "signum", signal.SIGINT)
+        return (f"interrupted by {signal.Signals(signum).name}: {stage} stopped, its running tools "
+                f"with it{_report_note()}")
+    try:
+        with uninterrupted():
+            cancel_children()
+    except KeyboardInterrupt:  # a signal during the cleanup: it is done now, and this ends anyway
+        pass
+    if debugging():
+        traceback.print_exc()
+    return safe(f"error: {stage}: {_one_line(err)}{_report_note()}")
 
 
 def _report_note() -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import click
 
-from imagebuild.cli.common import EXIT_ENVIRONMENT, EXIT_FAILED, echo, format_option, reports_input_errors
+from imagebuild.cli.common import echo, format_option, reports_input_errors
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 from imagebuild.release import harbor
 
@@ -132,7 +133,7 @@ def ensure_command(url: str, project: str, public: bool, severity: str, immutabl
             echo(f"error: harbor: {report.robot.name if report.robot else 'the robot'} has a new secret, but "
                  f"{secret_file} could not be written ({err.strerror or type(err).__name__}); run again with "
                  f"--rotate-secret to issue another", err=True)
-            sys.exit(EXIT_FAILED)
+            sys.exit(ExitCode.FAILED)
     if output_format == "json":
         click.echo(json.dumps({**report.to_dict(), "secret_file": str(secret_file) if secret and secret_file else None},
                               indent=2))
@@ -186,7 +187,7 @@ def scan_overview_command(url: str, images: tuple[str, ...], ca_bundle: Path | N
         for overview in overviews:
             echo(_overview_line(overview))
     if not all(o.found for o in overviews):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def write_secret(path: Path, secret: str) -> None:
@@ -243,15 +244,13 @@ def credentials_from(username: str | None, password_file: Path | None) -> harbor
 
 @contextlib.contextmanager
 def _harbor_failures() -> Iterator[None]:
-    """Harbor unreachable or refusing the credentials: exit 3; any other refusal: exit 1. One line."""
+    """A Harbor error in one line, with its exit code: 3 when Harbor is unreachable or refuses the
+    credentials (HarborUnavailable, HarborAuthError), 1 for any other refusal."""
     try:
         yield
-    except (harbor.HarborUnavailable, harbor.HarborAuthError) as err:
-        echo(f"error: harbor: {err}", err=True)
-        sys.exit(EXIT_ENVIRONMENT)
     except harbor.HarborError as err:
         echo(f"error: harbor: {err}", err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(err.exit_code)
 
 
 def _print_report(report: harbor.EnsureReport) -> None:

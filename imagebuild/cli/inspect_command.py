@@ -10,8 +10,6 @@ import click
 
 from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
-    EXIT_ENVIRONMENT,
-    EXIT_FAILED,
     echo,
     format_option,
     reports_input_errors,
@@ -19,6 +17,7 @@ from imagebuild.cli.common import (
     trust_config_option,
     trust_file_option,
 )
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 if TYPE_CHECKING:
@@ -95,9 +94,9 @@ def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...],
     for problem in problems:  # may quote an unverified attestation (its predicateType) or a registry
         echo(f"{image}: {'refused' if not found.unreachable else 'unreachable'}: {problem}", err=True)
     if found.unreachable:
-        sys.exit(EXIT_ENVIRONMENT)
+        sys.exit(ExitCode.ENVIRONMENT)
     if problems:
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def record_tree(image: str, digest: str | None, key: str | None, record: dict[str, Any], *, verified: bool) -> Tree:

@@ -13,7 +13,6 @@ from imagebuild.build import plan as planning
 from imagebuild.build import scheduler as building
 from imagebuild.build.render import check_tree, write_tree
 from imagebuild.cli.common import (
-    EXIT_FAILED,
     _revision,
     dockerfiles_dir,
     echo,
@@ -30,6 +29,7 @@ from imagebuild.config.matrix import Matrix, load_matrix
 from imagebuild.config.selection import Selection
 from imagebuild.config.support import load_support_table, version_key
 from imagebuild.core import report as reporting
+from imagebuild.core.errors import ExitCode
 from imagebuild.oci.client import ImageRef, Registry
 
 
@@ -181,7 +181,7 @@ def render(matrix_path: Path, out: Path | None, check: bool, output_format: str)
             click.echo("run `imagebuild render` and commit the result", err=True)
         else:
             echo(f"{root}: {len(files)} files up to date")
-        sys.exit(EXIT_FAILED if drift else 0)
+        sys.exit(ExitCode.FAILED if drift else ExitCode.OK)
     changed = write_tree(root, files)
     if output_format == "json":
         click.echo(json.dumps({"root": str(root), "files": len(files), "changed": changed}))

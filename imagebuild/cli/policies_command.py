@@ -10,15 +10,9 @@ from pathlib import Path
 import click
 
 from imagebuild.admission import policies as policy_files
-from imagebuild.cli.common import (
-    DEFAULT_TRUST_CONFIG,
-    EXIT_FAILED,
-    echo,
-    format_option,
-    reports_input_errors,
-    trust_file_option,
-)
+from imagebuild.cli.common import DEFAULT_TRUST_CONFIG, echo, format_option, reports_input_errors, trust_file_option
 from imagebuild.config.trust import load_trust_config
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -137,7 +131,7 @@ def generate(trust_path: Path, out: Path | None, ca_bundle: Path | None, check: 
             echo(f"run `imagebuild policies generate --trust {trust_path}` and commit the result", err=True)
         else:
             echo(f"{root}: {len(files)} files up to date")
-        sys.exit(EXIT_FAILED if drift else 0)
+        sys.exit(ExitCode.FAILED if drift else ExitCode.OK)
     write(root, files, changes)
     if output_format == "json":
         click.echo(json.dumps({"config": str(trust_path), "out": str(root), "files": [

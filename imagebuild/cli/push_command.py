@@ -11,7 +11,6 @@ import click
 
 from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
-    EXIT_FAILED,
     echo,
     format_option,
     only_option,
@@ -23,6 +22,7 @@ from imagebuild.cli.common import (
     workdir_option,
 )
 from imagebuild.config.selection import Selection
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 from imagebuild.oci.client import RegistryError
 from imagebuild.release import push_plan as plan
@@ -139,7 +139,7 @@ def push_command(workdir: Path, to: str, only: tuple[str, ...], trust_path: Path
     else:
         print_push(outcomes)
     if any(o.action in ("refused", "failed") for o in outcomes):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 ScanReader = Callable[[str, str], dict[str, Any]]
@@ -277,7 +277,7 @@ def promote_command(source: str, target: str, tags: tuple[str, ...], trust_path:
     else:
         print_promote(outcome)
     if outcome.action not in ("pushed", "unchanged"):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def print_promote(o: PromoteOutcome) -> None:

@@ -11,8 +11,6 @@ from rich.table import Table
 
 from imagebuild.checks import scan as scanning
 from imagebuild.cli.common import (
-    EXIT_ENVIRONMENT,
-    EXIT_FAILED,
     echo,
     format_option,
     reports_input_errors,
@@ -20,6 +18,7 @@ from imagebuild.cli.common import (
     stdout,
 )
 from imagebuild.cli.rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -58,6 +57,7 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     from imagebuild.checks.gate import parse_policy
     from imagebuild.core.source import load_document
     from imagebuild.rollout import quarantine, rescan
+    from imagebuild.rollout.state import RolloutError
 
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
@@ -66,8 +66,14 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     options = scanning.ScanOptions(workdir=out, dockerfiles=out, cache_dir=cache_dir.resolve(), offline=offline,
                                    db_repository=db_repository)
     unreachable: dict[str, str] = {}
-    results = rescan.rescan(config, policy_path, options, out.resolve(),
-                            on_event=lambda line: echo(line, err=True), unreachable=unreachable)
+    try:
+        results = rescan.rescan(config, policy_path, options, out.resolve(),
+                                on_event=lambda line: echo(line, err=True), unreachable=unreachable)
+    except RolloutError as exc:
+        # A region's credentials variable unset (state.region_registry says BAD_INPUT, as `rollout`
+        # exits): rescan has always ended such a run with 1, and keeps doing so.
+        exc.exit_code = ExitCode.FAILED
+        raise
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):
             quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
@@ -87,9 +93,9 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
         for region, why in unreachable.items():
             echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
     if any(r.fails for r in results):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
     if unreachable:
-        sys.exit(EXIT_ENVIRONMENT)
+        sys.exit(ExitCode.ENVIRONMENT)
 
 
 @click.command("quarantine")

@@ -12,7 +12,6 @@ from rich.table import Table
 
 from imagebuild.checks import scan as scanning
 from imagebuild.cli.common import (
-    EXIT_FAILED,
     _revision,
     echo,
     format_option,
@@ -29,6 +28,7 @@ from imagebuild.cli.common import (
 )
 from imagebuild.cli.progress import LineProgress
 from imagebuild.config.selection import Selection
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 from imagebuild.release.pipeline import STAGES, Outcome, ReleaseOptions, ReleaseRun, with_registry
 
@@ -138,7 +138,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     else:
         print_release(summary)
     if summary["status"] != "released":
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 _STYLE = {Outcome.DONE.value: "green", Outcome.REUSED.value: "cyan", Outcome.FAILED.value: "bold red",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from imagebuild.cli.common import reports_input_errors
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ def _runtime() -> Runtime:
 
 
 def _finish(action: Any) -> None:
-    """Run a rollout action; its exit code ends the command, a RolloutError is one line."""
+    """Run a rollout action; its exit code ends the command, a RolloutError is one line `error: rollout: ...`
+    and ends it with its own code."""
     from imagebuild.rollout.plan import PlanError
     from imagebuild.rollout.state import RolloutError
 
@@ -224,7 +226,7 @@ def status_command(rollout_id: str | None, release_path: Path, output_format: st
     def current() -> dict[str, Any]:
         wanted = _rollout_id(rollout_id) if rollout_id else rollout.latest_rollout(config, config.channels)
         if wanted is None:
-            raise RolloutError("no rollout of this release's channels yet", 1)
+            raise RolloutError("no rollout of this release's channels yet")
         return rollout.status(config, wanted)
 
     def show() -> dict[str, Any]:
@@ -240,7 +242,7 @@ def status_command(rollout_id: str | None, release_path: Path, output_format: st
         while watch and data["status"] in ("running", "rolling-back"):
             time.sleep(2)
             data = show()
-        return 0 if data["status"] in ("completed", "rolled-back", "running", "rolling-back") else 1
+        return ExitCode.OK if data["status"] in ("completed", "rolled-back", "running", "rolling-back") else ExitCode.FAILED
 
     _finish(action)
 

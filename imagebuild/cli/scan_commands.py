@@ -12,7 +12,6 @@ from imagebuild.checks import gate as gating
 from imagebuild.checks import scan as scanning
 from imagebuild.checks.gate_run import run_gate
 from imagebuild.cli.common import (
-    EXIT_FAILED,
     echo,
     format_option,
     only_option,
@@ -22,6 +21,7 @@ from imagebuild.cli.common import (
 )
 from imagebuild.config.selection import Selection
 from imagebuild.core import report as reporting
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -85,7 +85,7 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
     else:
         print_scan_summary(summary, workdir)
     if any(row["status"] == "failed" for row in summary["variants"]):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def _layers_note(layers: dict[str, Any] | None) -> str:
@@ -143,7 +143,7 @@ def gate_command(workdir: Path, policy_path: Path, only: tuple[str, ...], strict
     else:
         print_gate(outcome.result)
     if not outcome.passed:
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def print_gate(result: gating.GateResult) -> None:

@@ -10,7 +10,6 @@ import click
 from rich.table import Table
 
 from imagebuild.cli.common import (
-    EXIT_FAILED,
     echo,
     format_option,
     only_option,
@@ -21,6 +20,7 @@ from imagebuild.cli.common import (
     workdir_option,
 )
 from imagebuild.config.selection import Selection
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.report import VariantRecord
 from imagebuild.core.source import InputError
 from imagebuild.trust import sign as signing
@@ -91,7 +91,7 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     else:
         print_outcomes(outcomes)
     if any(o.action in ("refused", "failed") for o in outcomes):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def signing_options(key: str | None, keyless: bool, oidc_issuer: str | None, oidc_client_id: str | None,

@@ -10,8 +10,9 @@ from typing import Any
 
 import click
 
-from imagebuild.cli.common import EXIT_FAILED, echo, format_option, only_option, report_at, reports_input_errors
+from imagebuild.cli.common import echo, format_option, only_option, report_at, reports_input_errors
 from imagebuild.config.selection import Selection
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -93,7 +94,7 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
         results = smoke_run.run_report(report_path, matrix_path, selection, make_runner, progress)
     print_smoke_results(results, None if images else report_path, output_format)
     if any(r.status != "passed" for r in results):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
 
 
 def _smoke_counts(r: Any) -> str:

@@ -10,14 +10,13 @@ import click
 
 from imagebuild.cli.common import (
     DEFAULT_TRUST_CONFIG,
-    EXIT_ENVIRONMENT,
-    EXIT_FAILED,
     echo,
     format_option,
     reports_input_errors,
     trust_config_option,
     trust_file_option,
 )
+from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
 
@@ -89,6 +88,6 @@ def verify_command(images: tuple[str, ...], trust_path: Path | None, keys: tuple
             else:
                 echo(f"{verdict.image}: refused: {verdict.reason}", err=True)
     if any(not v.allowed and not v.unreachable for v in verdicts):
-        sys.exit(EXIT_FAILED)
+        sys.exit(ExitCode.FAILED)
     if any(v.unreachable for v in verdicts):
-        sys.exit(EXIT_ENVIRONMENT)
+        sys.exit(ExitCode.ENVIRONMENT)

@@ -24,12 +24,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
+
 TOOLS_DIR = Path(os.environ.get("IMAGEBUILD_TOOLS_DIR", "/opt/imagebuild-tools/bin"))
 REDACTED = "***"
 
 
-class ToolMissing(Exception):
-    """A required external tool or service is absent; the message says how to get it."""
+class ToolMissing(ImagebuildError):
+    """A required external tool or service is absent; the message says how to get it (exit 3)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:

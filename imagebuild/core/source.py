@@ -23,6 +23,8 @@ from typing import Any, NoReturn, Protocol
 
 import yaml
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
+
 PathKey = tuple[str | int, ...]
 
 
@@ -47,8 +49,10 @@ class Limits:
 LIMITS = Limits()
 
 
-class InputError(Exception):
+class InputError(ImagebuildError):
     """A user input is malformed. Printed as one line; the CLI exits with code 2."""
+
+    exit_code = ExitCode.BAD_INPUT
 
     def __init__(self, file: str, line: int | None, key: str, message: str):
         super().__init__(message)

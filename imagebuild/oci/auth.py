@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.runner import Runner
 from imagebuild.oci.names import escaped, is_loopback, split_host
 
@@ -44,8 +45,11 @@ _DEFAULT_PORTS = {"https": 443, "http": 80}
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
 
 
-class CredentialError(Exception):
-    """The Docker config or a credential helper could not give credentials (never carries them)."""
+class CredentialError(ImagebuildError):
+    """The Docker config or a credential helper could not give credentials (never carries them).
+    The client raises it on as a RegistryAuthError (exit 3)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
 
 @dataclass(frozen=True)
@@ -315,8 +319,11 @@ class _Token:
     expires_at: float
 
 
-class AuthDenied(Exception):
-    """The registry or its token service refused the credentials (carries no secret)."""
+class AuthDenied(ImagebuildError):
+    """The registry or its token service refused the credentials (carries no secret). The client
+    raises it on as a RegistryAuthError (exit 3)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
     def __init__(self, message: str, status: int):
         super().__init__(message)

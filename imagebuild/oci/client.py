@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.oci import reference
 from imagebuild.oci.auth import AuthDenied, CredentialError, Credentials, DockerConfig, RegistryAuth, credentials_for
 from imagebuild.oci.names import (
@@ -63,8 +64,14 @@ DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+jso
 INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_MANIFEST_LIST})
 
 
-class RegistryError(Exception):
-    """A registry request failed; the message names registry, repository, operation and status."""
+class RegistryError(ImagebuildError):
+    """A registry request failed; the message names registry, repository, operation and status.
+
+    Exit 3 (ENVIRONMENT) when it ends a command, whatever the registry said; a caller that can tell
+    an image's own fault from a setup problem catches it first (release.push.environmental).
+    """
+
+    exit_code = ExitCode.ENVIRONMENT
 
     def __init__(self, message: str, *, registry: str | None = None, repository: str | None = None,
                  operation: str | None = None, status: int | None = None):

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci.auth import AuthDenied
 from imagebuild.oci.client import INDEX_TYPES, OCI_INDEX, Registry, RegistryAuthError, RegistryError
 from imagebuild.oci.locations import BlobLocations
@@ -113,7 +114,7 @@ def cosign_tag(digest: str, suffix: str | None = None) -> str:
     return f"{base}.{suffix}" if suffix else base
 
 
-class _SourceBroke(Exception):
+class _SourceBroke(ImagebuildError):
     """The source's blob stream broke off or ended early."""
 
 

@@ -11,6 +11,8 @@ import ipaddress
 import re
 from typing import Any, TypeGuard
 
+from imagebuild.core.errors import ImagebuildError
+
 # The one grammar (imagebuild.oci.reference builds references from these pieces).
 # The registered algorithms only (OCI image spec, descriptor.md): anything else is refused.
 DIGEST_HEX = {"sha256": re.compile(r"[a-f0-9]{64}"), "sha512": re.compile(r"[a-f0-9]{128}")}
@@ -29,7 +31,7 @@ _TAG, _REPOSITORY = TAG, REPOSITORY
 _ESCAPED_LIMIT = 200  # characters of a refused value quoted in a message
 
 
-class BadName(ValueError):
+class BadName(ImagebuildError, ValueError):
     """A digest, tag or repository outside the OCI grammar (the message quotes it escaped)."""
 
 

@@ -25,6 +25,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, replace
 
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci import names
 
 DOCKER_HUB = "registry-1.docker.io"  # the API host of Docker Hub
@@ -46,7 +47,7 @@ _IMAGE_ID = re.compile(r"[a-f0-9]{64}")  # docker refuses it as a name: it reads
 _PRINTABLE = re.compile(r"[\x21-\x7e]+")  # no spaces, controls or non-ASCII anywhere in a reference
 
 
-class ReferenceError(ValueError):
+class ReferenceError(ImagebuildError, ValueError):
     """Not an image reference; the message says which part and why."""
 
 

@@ -23,6 +23,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.oci import names, reference
 from imagebuild.oci.retry import RETRY_STATUSES, RetryingTransport, RetryLog, RetryPolicy
 
@@ -43,7 +44,7 @@ VULN_REPORT_MIMES = ("application/vnd.security.vulnerability.report; version=1.1
 _SAFE_TEXT = re.compile(r"[^\x20-\x7e]")
 
 
-class HarborError(Exception):
+class HarborError(ImagebuildError):
     """Harbor refused or failed a request; the message is one line, Harbor's own words included."""
 
     def __init__(self, message: str, status: int | None = None, request_id: str | None = None):
@@ -55,9 +56,13 @@ class HarborError(Exception):
 class HarborUnavailable(HarborError):
     """Harbor could not be reached, or kept failing (5xx, 429) after every retry."""
 
+    exit_code = ExitCode.ENVIRONMENT
+
 
 class HarborAuthError(HarborError):
     """Harbor refused the credentials (401) or the user lacks the right (403)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
 
 # -- what ensure is asked for, and what it reports --------------------------------------

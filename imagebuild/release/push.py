@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.config.trust import TrustConfig
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import PushStage, SignStage, StageStatus, VariantRecord, record_stage
 from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryAuthError, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, CopyStats, copy_image
@@ -43,7 +44,7 @@ AUDIT_LOG = "audit.jsonl"
 Event = Callable[[str], None]
 
 
-class PushError(Exception):
+class PushError(ImagebuildError):
     """The copy or the audit failed for one image; nothing was tagged."""
 
 

@@ -48,6 +48,7 @@ from imagebuild.config.release_file import (
     SoakGate,
 )
 from imagebuild.config.trust import TrustConfig
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import InputError
 from imagebuild.oci import names, reference
@@ -194,7 +195,7 @@ def format_series(labels: Mapping[str, str]) -> str:
 # --- Prometheus answers (pure) ----------------------------------------------------------------
 
 
-class PrometheusAnswerError(ValueError):
+class PrometheusAnswerError(ImagebuildError, ValueError):
     """The body is not a Prometheus API answer we can judge (or an error answer)."""
 
 

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any, TypedDict
 
 from imagebuild.config.release_file import ReleaseConfig
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.oci import names
 
 
@@ -29,11 +30,13 @@ class StepKind(str, Enum):
         return self.value
 
 
-class PlanError(ValueError):
+class PlanError(ImagebuildError, ValueError):
     """The rollout asked for cannot be planned (a channel the release does not list, no digest)."""
 
+    exit_code = ExitCode.BAD_INPUT
 
-class RecordMismatch(ValueError):
+
+class RecordMismatch(ImagebuildError, ValueError):
     """A record read from the state repository disagrees with the plan release.yaml gives (or is malformed)."""
 
 

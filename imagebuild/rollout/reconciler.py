@@ -36,6 +36,7 @@ from typing import Any, Literal, cast
 
 from imagebuild.config.release_file import ApprovalGate, GateSpec, Region, ReleaseConfig
 from imagebuild.config.trust import TrustConfig, load_trust_config
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.source import safe_text
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
@@ -58,10 +59,6 @@ from imagebuild.rollout.plan import (
 )
 from imagebuild.rollout.quarantine import describe, find, refusal
 from imagebuild.rollout.state import (
-    EXIT_BAD_INPUT,
-    EXIT_DONE,
-    EXIT_HALTED,
-    EXIT_UNREACHABLE,
     FINISHED,
     LEASE_TYPE,
     MARKER_TYPE,
@@ -110,11 +107,12 @@ class Runtime:
     hook: StepHook | None = None
 
 
-class _Halt(Exception):
-    def __init__(self, reason: str, exit_code: int = EXIT_HALTED, status: str = "halted"):
-        super().__init__(reason)
+class _Halt(ImagebuildError):
+    """The run stops here: the record gets STATUS and REASON, the command `exit_code`."""
+
+    def __init__(self, reason: str, exit_code: ExitCode = ExitCode.FAILED, status: str = "halted"):
+        super().__init__(reason, exit_code=exit_code)
         self.reason = reason
-        self.exit_code = exit_code
         self.status = status
 
 
@@ -280,7 +278,7 @@ def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> Ro
     """The record, checked against release.yaml's plan (rollout_plan.check_record): the state repository
     is untrusted, so a record naming a tag, region or step of its own is refused before anything acts."""
     if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id):
-        raise RolloutError(f"'{safe_text(rollout_id, 100)}' is not a rollout ID", EXIT_BAD_INPUT)
+        raise RolloutError(f"'{safe_text(rollout_id, 100)}' is not a rollout ID", ExitCode.BAD_INPUT)
     where = f"{store.registry.registry}/{store.repository}:{record_tag(rollout_id)}"
     try:
         record = store.read(record_tag(rollout_id), RECORD_TYPE)
@@ -288,7 +286,7 @@ def load_record(store: StateStore, rollout_id: str, config: ReleaseConfig) -> Ro
         raise StateRefused(f"rollout {rollout_id}: {exc}; nothing was changed") from None
     if record is None:
         raise RolloutError(f"no rollout {rollout_id} in {store.registry.registry}/{store.repository}",
-                           EXIT_BAD_INPUT)
+                           ExitCode.BAD_INPUT)
     if record.get("schema") != SCHEMA:
         raise RolloutError(f"rollout {rollout_id}: record schema {safe_text(record.get('schema'), 100)} is not {SCHEMA}")
     try:
@@ -410,9 +408,9 @@ class Reconciler:
                 self.out(f"  region {region.name} ({region.registry}) unreachable; retrying in {delay:g}s")
                 self.timing.sleep(delay)
         raise _Halt(f"region {region.name} ({region.registry}) unreachable after {_REGION_ATTEMPTS} attempts: {last}",
-                    EXIT_UNREACHABLE)
+                    ExitCode.ENVIRONMENT)
 
-    def _finish(self, status: str, reason: str | None, exit_code: int) -> int:
+    def _finish(self, status: str, reason: str | None, exit_code: ExitCode) -> ExitCode:
         self.record["status"] = status
         self.record["reason"] = reason
         self.journal.event(status, detail=reason)
@@ -428,7 +426,7 @@ class Reconciler:
             while self.record["next_step"] < len(steps):
                 step = steps[self.record["next_step"]]
                 if self._abort_requested():
-                    return self._finish("aborted", f"aborted before step {step.describe()}", EXIT_HALTED)
+                    return self._finish("aborted", f"aborted before step {step.describe()}", ExitCode.FAILED)
                 self.lease.renew()
                 self.out(f"step {step.describe()}")
                 result = self._run_step(step)
@@ -445,11 +443,11 @@ class Reconciler:
                     self.hook(step, "recorded")
         except StateRefused as refused:  # a lease, marker or quarantine mark that cannot be read
             self.out(f"halted: {refused}")
-            return self._finish("halted", str(refused), EXIT_HALTED)
+            return self._finish("halted", str(refused), ExitCode.FAILED)
         except _Halt as halt:
             self.out(f"{halt.status}: {halt.reason}")
             return self._finish(halt.status, halt.reason, halt.exit_code)
-        return self._finish("completed", None, EXIT_DONE)
+        return self._finish("completed", None, ExitCode.OK)
 
     def _run_step(self, step: Step) -> dict[str, Any] | None:
         wave = self.record["waves"][step.wave]
@@ -572,7 +570,7 @@ class Reconciler:
         unreachable: dict[tuple[str, str | None], int] = {}
         while True:
             if self._abort_requested():
-                raise _Halt("abort requested while waiting on the gates", EXIT_HALTED, status="aborted")
+                raise _Halt("abort requested while waiting on the gates", ExitCode.FAILED, status="aborted")
             self.lease.renew()
             approvals = self._approvals(step.wave) if any(isinstance(s, ApprovalGate) for s, _ in specs) else ()
             results = []
@@ -642,11 +640,11 @@ class Reconciler:
                 self.journal.save()
         except StateRefused as refused:
             self.out(f"rollback halted: {refused}")
-            return self._finish("halted", f"rollback: {refused}", EXIT_HALTED)
+            return self._finish("halted", f"rollback: {refused}", ExitCode.FAILED)
         except _Halt as halt:
             self.out(f"rollback halted: {halt.reason}")
             return self._finish("halted", f"rollback: {halt.reason}", halt.exit_code)
-        return self._finish("rolled-back", None, EXIT_DONE)
+        return self._finish("rolled-back", None, ExitCode.OK)
 
     def _restore(self, step: RollbackStep) -> str:
         region = self.config.region(step.region)
@@ -695,8 +693,10 @@ class Reconciler:
         return how
 
 
-class _RegionDown(Exception):
-    pass
+class _RegionDown(ImagebuildError):
+    """A region's registry did not answer a verification (retried, then the run halts with exit 3)."""
+
+    exit_code = ExitCode.ENVIRONMENT
 
 
 def _result_dict(result: Any) -> dict[str, Any]:
@@ -717,7 +717,7 @@ def check_source(trust: TrustConfig, image: str) -> str:
     with Verifier(trust, cache_ttl_seconds=0) as verifier:
         verdict = verifier.verify(image)
     if verdict.unreachable:
-        raise RolloutError(f"staging registry unreachable: {verdict.reason}", EXIT_UNREACHABLE)
+        raise RolloutError(f"staging registry unreachable: {verdict.reason}", ExitCode.ENVIRONMENT)
     if not verdict.allowed:
         raise RolloutError(f"refusing to roll out {image}: it does not verify in staging: {verdict.reason}")
     return str(verdict.reason)
@@ -736,7 +736,7 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     runtime = runtime or Runtime()
     ref = ImageRef.parse(image)
     if not ref.digest:
-        raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", EXIT_BAD_INPUT)
+        raise RolloutError(f"{image}: give the image by digest (REF@sha256:...)", ExitCode.BAD_INPUT)
     steps = plan_rollout(config, ref.digest, channels)
     channels = check_channels(config, channels)  # each once, as planned
     refuse_quarantined(config, ref.digest, image)
@@ -808,7 +808,7 @@ def resume(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
     record = journal.record
     if record["status"] == "completed":
         out(f"rollout {rollout_id} is already completed")
-        return EXIT_DONE
+        return ExitCode.OK
     if record["status"] in ("aborted", "rolling-back", "rolled-back"):
         raise RolloutError(f"rollout {rollout_id} is {record['status']}: only `rollback` applies to it now")
     refuse_quarantined(config, record["digest"], record["source"])
@@ -833,7 +833,7 @@ def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Outpu
     journal, lease = _reopen(config, rollout_id, local_dir, runtime.timing)
     if journal.record["status"] == "rolled-back":
         out(f"rollout {rollout_id} is already rolled back")
-        return EXIT_DONE
+        return ExitCode.OK
     trust = _trust(config)
     lease.acquire()
     _reload(config, journal, lease)
@@ -846,11 +846,11 @@ def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
     record = journal.record
     if record["status"] in ("completed", "rolled-back", "aborted"):
         out(f"rollout {rollout_id} is {record['status']}; nothing to abort")
-        return EXIT_DONE
+        return ExitCode.OK
     journal.store.write(record_tag(rollout_id) + ".abort", {"by": who()["user"], "at": now_iso()}, MARKER_TYPE)
     if record["status"] == "running":
         out(f"abort requested: rollout {rollout_id} stops before its next step")
-        return EXIT_DONE
+        return ExitCode.OK
     lease.acquire()  # halted: nobody runs it; mark it aborted ourselves
     try:
         journal.record = load_record(journal.store, rollout_id, config)
@@ -860,18 +860,18 @@ def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
     finally:
         lease.release()
     out(f"rollout {rollout_id} aborted")
-    return EXIT_DONE
+    return ExitCode.OK
 
 
 def approve(config: ReleaseConfig, rollout_id: str, wave: str, local_dir: Path, out: Output) -> int:
     journal, _ = _reopen(config, rollout_id, local_dir)
     if wave not in journal.record["waves"]:
         raise RolloutError(f"rollout {rollout_id} has no wave '{wave}' "
-                           f"(its waves: {', '.join(journal.record['waves'])})", EXIT_BAD_INPUT)
+                           f"(its waves: {', '.join(journal.record['waves'])})", ExitCode.BAD_INPUT)
     journal.store.write(record_tag(rollout_id) + f".approve-{wave}", {"by": who()["user"], "at": now_iso(),
                                                                       "who": who()}, MARKER_TYPE)
     out(f"wave {wave} of rollout {rollout_id} approved")
-    return EXIT_DONE
+    return ExitCode.OK
 
 
 def latest_rollout(config: ReleaseConfig, channels: Iterable[str]) -> str | None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from imagebuild.config.release_file import TAG_PATTERN, Region, ReleaseConfig
+from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.source import safe_text
 from imagebuild.oci.client import OCI_MANIFEST, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.retry import RetryPolicy
@@ -31,7 +32,6 @@ EMPTY_CONFIG = b"{}"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 
 FINISHED = frozenset({"completed", "halted", "aborted", "rolled-back"})
-EXIT_DONE, EXIT_HALTED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_LEASE_HELD = 0, 1, 2, 3, 4
 
 # Who did it: only these CI variables are read (never the environment at large, which holds secrets).
 _CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GITHUB_RUN_ATTEMPT", "GITHUB_WORKFLOW",
@@ -39,17 +39,18 @@ _CI_VARIABLES = ("CI", "GITHUB_ACTOR", "GITHUB_REPOSITORY", "GITHUB_RUN_ID", "GI
 REGION_RETRIES = RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=1.0, max_elapsed_s=3.0, max_retry_after_s=5.0)
 
 
-class RolloutError(Exception):
-    """The rollout cannot go on; `exit_code` says why (1 failed, 3 unreachable, 4 lease held)."""
+class RolloutError(ImagebuildError):
+    """The rollout cannot go on; `exit_code` says why (FAILED by default; BAD_INPUT, ENVIRONMENT when
+    a registry is unreachable, LEASE_HELD)."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_HALTED):
-        super().__init__(message)
-        self.exit_code = exit_code
+    def __init__(self, message: str, exit_code: ExitCode | None = None):
+        super().__init__(message, exit_code=exit_code)
 
 
 class LeaseHeld(RolloutError):
-    def __init__(self, message: str):
-        super().__init__(message, EXIT_LEASE_HELD)
+    """The channel's lease is held by another rollout (exit 4)."""
+
+    exit_code = ExitCode.LEASE_HELD
 
 
 class StateRefused(RolloutError):
@@ -175,7 +176,7 @@ def region_registry(region: Region) -> Registry:
         value = os.environ.get(credentials.env)
         if not value or ":" not in value:
             raise RolloutError(f"region {region.name}: environment variable {credentials.env} must hold USER:PASSWORD",
-                               EXIT_BAD_INPUT)
+                               ExitCode.BAD_INPUT)
         user, password = value.split(":", 1)
         return Registry(region.registry, user, password, retry=REGION_RETRIES)
     config = credentials.docker_config if credentials is not None else None

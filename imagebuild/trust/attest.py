@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from imagebuild.core.errors import ImagebuildError
+
 PREDICATE_SBOM = "https://cyclonedx.org/bom"
 PREDICATE_VULN = "https://cosign.sigstore.dev/attestation/vuln/v1"
 PREDICATE_SMOKE = "https://imagebuild.dev/attestations/smoke/v1"
@@ -43,7 +45,7 @@ DIGEST_PROPERTY = "imagebuild:digest"  # the SBOM's metadata.properties entry na
 VARIANT_PROPERTY = "imagebuild:variant"
 
 
-class PredicateError(ValueError):
+class PredicateError(ImagebuildError, ValueError):
     """A stage record or scan output cannot make a truthful predicate (wrong digest, missing field)."""
 
 

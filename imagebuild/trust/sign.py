@@ -47,6 +47,7 @@ from typing import Any
 
 from imagebuild.checks.smoke import require_smoke_passed
 from imagebuild.config.trust import PublicKey
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import (
     BuildReport,
     GateStage,
@@ -79,7 +80,7 @@ BUNDLE_ANNOTATION = "dev.sigstore.cosign/bundle"  # the Rekor entry cosign attac
 _COSIGN_ENV_DROPPED = ("COSIGN_REPOSITORY", "COSIGN_EXPERIMENTAL")
 
 
-class SignError(Exception):
+class SignError(ImagebuildError):
     """cosign failed, or the registry does not hold what it should after signing."""
 
 

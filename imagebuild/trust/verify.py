@@ -38,6 +38,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
 from imagebuild.config.trust import PublicKey, Requirements, TrustConfig
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import InputError, safe_text
 from imagebuild.oci import names, reference
 from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, RegistryUnreachable
@@ -79,7 +80,7 @@ MAX_LAYERS = 256
 READ_CONCURRENCY = 8  # reads in flight for one verification (and across a webhook's)
 
 
-class Refused(Exception):
+class Refused(ImagebuildError):
     """The image is refused; `reason` is the verdict's one line."""
 
     def __init__(self, reason: str, key: str | None = None):
