@@ -45,6 +45,11 @@ DEFERRED = {
     "imagebuild.checks.gate_run": "the gate run (the scan and the gate)",
 }
 HEAVY = ("docker", "jinja2", "xml.etree.ElementTree", "yaml")
+# Modules that must import with the standard library alone, and so import anything else where they use it.
+STDLIB_ONLY = {
+    "imagebuild.build.baseimage": "builds the base image inside a bare Debian container (its reproducibility "
+                                  "test); only its push needs the registry client",
+}
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,14 @@ def test_nothing_imports_the_cli_but_the_entry_points() -> None:
 
 def test_function_level_imports_only_defer_a_heavy_module() -> None:
     hidden = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
-              if imp.in_function and room_of(imp.source) not in LAZY_IMPORTS_ALLOWED and imp.target not in DEFERRED]
+              if imp.in_function and room_of(imp.source) not in LAZY_IMPORTS_ALLOWED and imp.target not in DEFERRED
+              and imp.source not in STDLIB_ONLY]
     assert hidden == []
+
+
+@pytest.mark.parametrize("module", sorted(STDLIB_ONLY))
+def test_a_standard_library_only_module_loads_nothing_else(module: str) -> None:
+    assert third_party_loaded_by(module) == set(), STDLIB_ONLY[module]
 
 
 def third_party_loaded_by(module: str) -> set[str]:
@@ -141,7 +152,8 @@ def third_party_loaded_by(module: str) -> set[str]:
         import importlib, json, sys
         before = set(sys.modules)
         importlib.import_module({module!r})
-        print(json.dumps(sorted({{name.split(".")[0] for name in set(sys.modules) - before}})))
+        loaded = {{name.split(".")[0] for name in set(sys.modules) - before}}
+        print(json.dumps(sorted(loaded - set(sys.stdlib_module_names))))
     """)
     proc = subprocess.run([sys.executable, "-c", program], cwd=PACKAGE.parent, capture_output=True, text=True,
                           timeout=60, check=True)

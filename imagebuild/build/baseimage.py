@@ -30,11 +30,13 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.runner import Runner
-from imagebuild.oci.client import ImageRef, Registry, RegistryError
+
+if TYPE_CHECKING:
+    from imagebuild.oci.client import Registry
 
 MIRROR_ENV = "IMAGEBUILD_BASE_MIRROR"
 SECURITY_MIRROR_ENV = "IMAGEBUILD_BASE_SECURITY_MIRROR"
@@ -339,6 +341,9 @@ def build(workdir: Path, suite: str, include: str, epoch: int, sources: list[Apt
 
 def push(image: Image, reference: str) -> str:
     """Blobs first (skipped when present), then the manifest under the tag; returns the digest."""
+    # Here, not at the top: the build runs in a bare container with the standard library alone (the
+    # reproducibility test), and only the push needs the registry client and its httpx.
+    from imagebuild.oci.client import ImageRef, Registry, RegistryError
 
     ref = ImageRef.parse(reference)
     try:
@@ -354,6 +359,7 @@ def push(image: Image, reference: str) -> str:
 
 
 def _upload(registry: Registry, repository: str, blob: Blob) -> None:
+    from imagebuild.oci.client import RegistryError
 
     if registry._request("HEAD", f"/v2/{repository}/blobs/{blob.digest}").status_code == 200:
         return
