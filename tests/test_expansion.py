@@ -169,7 +169,7 @@ def test_includes_match_only_the_original_combinations_not_added_ones(load):
     # GitHub: {fruit: banana, animal: cat} does not extend the {fruit: banana} an earlier
     # include added. Here the second entry fits no original, so it would be a new
     # combination, and one that does not name every axis is refused.
-    with pytest.raises(InputError) as error:
+    with pytest.raises(InputError, match="matches no combination, so it adds a new one, which needs os, cuda, paddle") as error:
         load("  include:",
              '    - {os: debian12, cuda: cpu, python: "3.12", paddle: "3.2.2"}',
              '    - {python: "3.12", labels: {io.example.preview: "yes"}}')

@@ -166,6 +166,8 @@ def test_run_gate_judges_records_and_writes_without_the_cli(tmp_path):
     workdir = write_workdir(tmp_path, {CPU: report(os_pkgs(PAM)), GPU: report(os_pkgs(EXPAT))})
     outcome = run_gate(workdir, write_policy(tmp_path, ""), Selection.parse([f"id={GPU}"]), today=dt.date(2027, 1, 1))
     assert not outcome.passed and [image.variant for image in outcome.result.images] == [GPU]
+    (gpu,) = outcome.result.images
+    assert [d.finding.id for d in gpu.blocking] == ["CVE-2024-28757"] and gpu.problems == ()
     assert json.loads(outcome.result_path.read_text()) == outcome.record and outcome.record["today"] == "2027-01-01"
     assert json.loads(outcome.sarif_path.read_text()) == outcome.sarif
     variants = {v.id: v for v in BuildReport.read(workdir / "build-report.json").variants}

@@ -80,9 +80,13 @@ def test_refuses_patterns_that_would_freeze_cosign_signature_tags(pattern):
         harbor.check_release_pattern(pattern)
 
 
-@pytest.mark.parametrize("pattern", ["", "v *", "a/b", "[0-9", "{v,w", "x" * 129])
-def test_refuses_text_that_is_no_tag_pattern(pattern):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("pattern", "reason"), [
+    ("", "is not a tag pattern (no spaces or slashes"), ("v *", "is not a tag pattern (no spaces or slashes"),
+    ("a/b", "is not a tag pattern (no spaces or slashes"), ("[0-9", "is not a doublestar pattern: unclosed ["),
+    ("{v,w", "is not a doublestar pattern: unclosed {"), ("x" * 129, "is not a tag pattern (no spaces or slashes"),
+])
+def test_refuses_text_that_is_no_tag_pattern(pattern, reason):
+    with pytest.raises(ValueError, match=f"^{re.escape(repr(pattern))} {re.escape(reason)}"):
         harbor.check_release_pattern(pattern)
 
 
@@ -148,10 +152,16 @@ def test_parses_images_by_digest(text, project, repository):
     assert harbor.parse_artifact(text) == harbor.ArtifactRef(project, repository, DIGEST)
 
 
-@pytest.mark.parametrize("text", ["paddle/gpu:3.0.0", "paddle/gpu@sha256:abc", "gpu@" + DIGEST,
-                                  "Paddle/gpu@" + DIGEST, "paddle//gpu@" + DIGEST, "paddle/GPU@" + DIGEST])
-def test_refuses_images_that_are_not_project_repository_at_digest(text):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("text", "reason"), [
+    ("paddle/gpu:3.0.0", "give the image by digest, PROJECT/REPOSITORY@sha256:<64 hex digits>"),
+    ("paddle/gpu@sha256:abc", "digest 'sha256:abc' is not sha256:<64 hex>"),
+    ("gpu@" + DIGEST, "expected PROJECT/REPOSITORY@DIGEST (a Harbor repository is inside a project)"),
+    ("Paddle/gpu@" + DIGEST, "registry host 'Paddle' has no dot or port"),
+    ("paddle//gpu@" + DIGEST, "repository 'paddle//gpu' is not lowercase path components"),
+    ("paddle/GPU@" + DIGEST, "repository 'paddle/GPU' is not lowercase path components"),
+])
+def test_refuses_images_that_are_not_project_repository_at_digest(text, reason):
+    with pytest.raises(ValueError, match=f"^{re.escape(repr(text))}: {re.escape(reason)}"):
         harbor.parse_artifact(text)
 
 

@@ -7,6 +7,7 @@ secret mount or the build's environment holds, that author can read.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def lane_dir(tmp_path: Path) -> Path:
 
 def test_a_host_file_outside_the_lane_is_bad_input_naming_the_line_and_key(tmp_path, outside):
     matrix = matrix_with(tmp_path, f"  pip-conf:\n    file: {outside}")
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match=re.escape(f"'{outside}' is outside the lane for build secrets")) as caught:
         building.secret_files(matrix, lane=building.SecretLane())
     err = caught.value
     assert (err.line, err.key) == (SECRETS_LINE + 1, "secrets.pip-conf.file")
@@ -141,9 +142,8 @@ def test_an_operator_override_replaces_the_matrix_source_and_is_not_lane_checked
 ])
 def test_a_bad_lane_setting_is_bad_input(settings, message):
     settings.setdefault("environ", {})
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match=f"^{re.escape(message)}"):
         building.SecretLane.from_settings(**settings)
-    assert str(caught.value).startswith(message)
 
 
 # --- environment secrets -------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_a_bad_lane_setting_is_bad_input(settings, message):
 def test_an_env_secret_not_on_the_allowlist_is_bad_input(tmp_path, monkeypatch):
     monkeypatch.setenv("COSIGN_PASSWORD", "the-signing-password")
     matrix = matrix_with(tmp_path, "  netrc:\n    env: COSIGN_PASSWORD")
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match="environment variable COSIGN_PASSWORD is not allowed as a build secret") as caught:
         building.secret_files(matrix, lane=building.SecretLane.from_settings(env=["PIP_CONF"], environ={}))
     err = caught.value
     assert (err.line, err.key) == (SECRETS_LINE + 1, "secrets.netrc.env")
@@ -263,10 +263,9 @@ def matrix_folder(tmp_path: Path, outside: Path) -> Path:
 
 @pytest.mark.parametrize("paths", ["[../elsewhere/test_theirs.py]", "[smoke/../../elsewhere]", "[..]"])
 def test_a_smoke_path_out_of_the_matrix_folder_is_bad_input(matrix_folder, paths):
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match=re.escape(f"'{paths[1:-1]}' leads outside the matrix's folder")) as caught:
         smoke_matrix(matrix_folder, paths)
     assert caught.value.key == "smoke.all[0]" and caught.value.line == 14
-    assert "leads outside the matrix's folder" in str(caught.value)
 
 
 def test_a_smoke_link_pointing_out_of_the_matrix_folder_is_bad_input(matrix_folder):

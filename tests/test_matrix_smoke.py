@@ -13,6 +13,7 @@ no layer's content key, and no rendered file, depends on them.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -154,7 +155,7 @@ ERRORS = [
 
 @pytest.mark.parametrize("case_id, text, line, key, message", ERRORS, ids=[e[0] for e in ERRORS])
 def test_bad_smoke_entries_name_file_line_and_key(folder, case_id, text, line, key, message):
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match=f"/matrix.yaml:{line}: {re.escape(key)}: .*{re.escape(message)}") as caught:
         load(folder, text)
     err = caught.value
     assert (Path(err.file).name, err.line, err.key) == ("matrix.yaml", line, key), str(err)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -115,9 +116,9 @@ def test_a_missing_config_means_anonymous_and_a_broken_one_is_an_error_without_i
     assert credentials_for("r.example.com", DockerConfig.load(tmp_path / "absent.json")).empty
     broken = tmp_path / "config.json"
     broken.write_text('{"auths": {"r": {"auth": "secret-canary')
-    with pytest.raises(CredentialError) as raised:
+    with pytest.raises(CredentialError, match=re.escape(f"{broken}: not readable as JSON")) as raised:
         DockerConfig.load(broken)
-    assert "secret-canary" not in str(raised.value) and str(broken) in str(raised.value)
+    assert "secret-canary" not in str(raised.value)
 
 
 def _helper(tmp_path: Path, name: str, script: str, monkeypatch) -> Path:
@@ -152,9 +153,8 @@ def test_a_failing_or_missing_helper_is_an_error_that_repeats_nothing_it_printed
     canary = f"canary-{uuid.uuid4().hex}"
     _helper(tmp_path, "broken", f'echo "{canary}"; echo "{canary}" >&2; exit 3', monkeypatch)
     config = _config(tmp_path, {"credHelpers": {"a.example.com": "broken", "b.example.com": "absent-helper"}})
-    with pytest.raises(CredentialError) as raised:
+    with pytest.raises(CredentialError, match=r"docker-credential-broken failed \(exit 3\)") as raised:
         credentials_for("a.example.com", config)
-    assert "docker-credential-broken" in str(raised.value) and "exit 3" in str(raised.value)
     assert canary not in str(raised.value)
     with pytest.raises(CredentialError, match="docker-credential-absent-helper is not installed"):
         credentials_for("b.example.com", config)
@@ -274,9 +274,9 @@ def test_a_token_realm_nobody_named_is_refused_before_any_credential_goes_there(
         sent.append(out)
         return _respond(out, 401, _bearer(realm))
 
-    with pytest.raises(RealmRefused) as raised:
+    with pytest.raises(RealmRefused, match=re.escape(said)) as raised:
         _drive(auth, httpx.Request("GET", "https://r.example.com/v2/a/manifests/v1"), answer)
-    assert said in str(raised.value) and "p-canary" not in str(raised.value)
+    assert "p-canary" not in str(raised.value)
     assert [r.url.host for r in sent] == ["r.example.com"], "no token request went out"
     assert auth._challenge is None and auth.token_requests == 0
 
@@ -290,9 +290,9 @@ def test_token_realm_hosts_come_from_IMAGEBUILD_TOKEN_REALMS_and_docker_hubs_is_
     assert token_realms_from_env("elsewhere.example.com", env) == ()
     assert RegistryAuth("registry-1.docker.io", token_realms=()).trusted_realms() == ("auth.docker.io",)
     for bad in ("registry.gitlab.com", "r=", "r=host/path", "=host", "r=a,,b", "r=ho\x1bst"):
-        with pytest.raises(CredentialError) as raised:
+        with pytest.raises(CredentialError, match=re.escape("IMAGEBUILD_TOKEN_REALMS: entry 1 ")) as raised:
             token_realms_from_env("r", {"IMAGEBUILD_TOKEN_REALMS": bad})
-        assert "IMAGEBUILD_TOKEN_REALMS: entry 1" in str(raised.value) and "\x1b" not in str(raised.value)
+        assert "expected REGISTRY=HOST[:PORT]" in str(raised.value) and "\x1b" not in str(raised.value)
 
 
 def test_a_request_elsewhere_or_a_redirect_targets_401_gets_no_credentials_and_changes_nothing():
@@ -331,7 +331,7 @@ def test_registered_digests_pass(digest):
     "sha256:" + "a" * 64 + "\n", "", None, 7,
 ])
 def test_anything_else_is_not_a_digest(digest):
-    with pytest.raises(BadName):
+    with pytest.raises(BadName, match=re.escape(f"digest {digest!r} is not a digest (sha256:<64 hex>")):
         check_digest(digest)
 
 
@@ -344,15 +344,14 @@ def test_tags_follow_the_oci_grammar(tag, good):
     if good:
         assert check_tag(tag) == tag
     else:
-        with pytest.raises(BadName):
+        with pytest.raises(BadName, match=re.escape(f"tag {tag!r} is not a tag ([A-Za-z0-9_]")):
             check_tag(tag)
 
 
 def test_a_refusal_names_the_value_escaped():
-    with pytest.raises(BadName) as raised:
+    with pytest.raises(BadName, match=re.escape("layer digest 'sha256:\\x1b[32mverified\\x1b[0m/../x' is not")) as raised:
         check_descriptor({"digest": "sha256:\x1b[32mverified\x1b[0m/../x", "size": 1}, "layer")
-    message = str(raised.value)
-    assert "\x1b" not in message and "\\x1b[32mverified" in message and "layer digest" in message
+    assert "\x1b" not in str(raised.value)
     with pytest.raises(BadName, match="size"):
         check_descriptor({"digest": "sha256:" + "a" * 64, "size": "1"})
 
@@ -360,12 +359,18 @@ def test_a_refusal_names_the_value_escaped():
 def test_the_client_refuses_a_bad_name_before_any_request_goes_out():
     sent: list[httpx.Request] = []
     with Registry("127.0.0.1:9", event_hooks={"request": [sent.append]}) as registry:  # nothing listens
-        for call in (lambda: registry.get_blob("a", "sha256:../../b/blobs/x"),
-                     lambda: registry.head_manifest("a", "v1/../../b"),
-                     lambda: registry.referrers("a", "sha256:" + "a" * 64 + "/x"),
-                     lambda: registry.get_manifest("A/../b", "v1"),
-                     lambda: registry.try_mount("a", "sha256:" + "a" * 64, "../b")):
-            with pytest.raises(RegistryError):
+        for call, said in (
+                (lambda: registry.get_blob("a", "sha256:../../b/blobs/x"),
+                 "127.0.0.1:9/a: GET blob: digest 'sha256:../../b/blobs/x' is not a digest"),
+                (lambda: registry.head_manifest("a", "v1/../../b"),
+                 "127.0.0.1:9/a: HEAD manifest: reference 'v1/../../b' is not a tag"),
+                (lambda: registry.referrers("a", "sha256:" + "a" * 64 + "/x"),
+                 f"127.0.0.1:9/a: GET referrers: digest 'sha256:{'a' * 64}/x' is not a digest"),
+                (lambda: registry.get_manifest("A/../b", "v1"),
+                 "127.0.0.1:9: GET manifest: repository 'A/../b' is not a repository name"),
+                (lambda: registry.try_mount("a", "sha256:" + "a" * 64, "../b"),
+                 "127.0.0.1:9/a: mount blob: mount source '../b' is not a repository name")):
+            with pytest.raises(RegistryError, match=re.escape(said)):
                 call()
     assert sent == []
 

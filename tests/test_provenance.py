@@ -112,11 +112,11 @@ def test_the_schema_refuses_what_slsa_v1_does_not_have():
     """The schema is strict enough to catch a misspelt field (cosign's struct writes invocationID)."""
     document = statement()
     document["predicate"]["runDetails"]["metadata"]["invocationID"] = "x"
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError, match=r"\('invocationID' was unexpected\)"):
         jsonschema.validate(document, SCHEMA)
     document = statement()
     del document["predicate"]["buildDefinition"]["buildType"]
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError, match="'buildType' is a required property"):
         jsonschema.validate(document, SCHEMA)
 
 

@@ -57,7 +57,7 @@ def test_formats_canonical_familiar_and_api_host_forms() -> None:
     assert reference.parse("docker.io/my.org/app").familiar() == "docker.io/my.org/app"  # else a host
     assert reference.parse("Harbor.example.com:443/p/x").familiar() == "harbor.example.com/p/x"
     assert ref.pinned(D512).digest == D512
-    with pytest.raises(DigestError):
+    with pytest.raises(DigestError, match=re.escape("digest 'sha256:short' is not sha256:<64 hex>")):
         ref.pinned("sha256:short")
 
 

@@ -92,7 +92,7 @@ def test_durations_read_in_seconds():
 
 def test_the_error_names_file_line_and_key_in_process(tmp_path):
     path = write(tmp_path, VALID.replace("soak: 1h", "soak: forever"))
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match="'forever' is not a duration") as caught:
         load_release(path)
     assert str(caught.value) == (f"{path}:31: waves[1].gates.soak: 'forever' is not a duration "
                                  f"(a whole number and ms, s, m or h: 30s, 10m, 1h)")

@@ -59,9 +59,9 @@ def test_a_status_assigned_as_a_string_becomes_its_word_and_an_unknown_word_is_r
     assert layer.status is LayerStatus.TO_BUILD
     layer.status = "built"
     assert layer.status is LayerStatus.BUILT
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^'bulit' is not a valid LayerStatus$"):
         layer.status = "bulit"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^'fine' is not a valid StageStatus$"):
         SmokeStage(status="fine")
 
 
@@ -133,7 +133,7 @@ def test_an_error_inside_an_update_writes_nothing(tmp_path):
     path = tmp_path / "build-report.json"
     sample_report().write(path)
     before = path.read_text()
-    with pytest.raises(RuntimeError), update_report(path) as data:
+    with pytest.raises(RuntimeError, match="^stage crashed half-way$"), update_report(path) as data:
         data["status"] = "failed"
         raise RuntimeError("stage crashed half-way")
     assert path.read_text() == before

@@ -7,6 +7,7 @@ the same matrix. (build --dry-run, scan and test on a real registry: tests/e2e/t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,8 @@ def test_no_selector_selects_everything_and_a_report_without_os_matches_no_os_se
     ("=3.11", "unknown axis ''"),
 ])
 def test_bad_selectors_are_input_errors_naming_the_option(text, message):
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(InputError, match=f"^{re.escape(f'--only: {text}: ')}.*{re.escape(message)}") as caught:
         Selection.parse([text])
-    assert str(caught.value).startswith(f"--only: {text}: ") and message in str(caught.value)
     if "axis" in message:
         assert ", ".join(AXES) in str(caught.value)
 

@@ -343,8 +343,9 @@ def test_a_matrix_may_use_merge_keys(tmp_path):
 SMALL = Limits(max_bytes=1000, max_depth=5, max_aliases=4, max_nodes=50)
 
 
-def refusal(text: str, limits: Limits = SMALL, merge_keys: bool = False) -> str:
-    with pytest.raises(InputError) as error:
+def refusal(text: str, expected: str, limits: Limits = SMALL, merge_keys: bool = False) -> str:
+    """The InputError parse_document raises for `text`, which must say `expected`."""
+    with pytest.raises(InputError, match=re.escape(expected)) as error:
         parse_document(text, "f.yaml", limits=limits, merge_keys=merge_keys)
     return str(error.value)
 
@@ -359,23 +360,23 @@ def refusal(text: str, limits: Limits = SMALL, merge_keys: bool = False) -> str:
 ])
 def test_nesting_is_allowed_up_to_max_depth_and_refused_beyond(nest):
     parse_document(nest(SMALL.max_depth) + "\n", "f.yaml", limits=SMALL)
-    assert "nested more than 5 levels deep" in refusal(nest(SMALL.max_depth + 1) + "\n")
+    refusal(nest(SMALL.max_depth + 1) + "\n", "nested more than 5 levels deep")
 
 
 def test_aliases_are_allowed_up_to_max_aliases_and_refused_beyond():
     parse_document("a: &a x\nb: [*a, *a, *a, *a]\n", "f.yaml", limits=SMALL)
-    assert refusal("a: &a x\nb: [*a, *a, *a, *a, *a]\n") == "f.yaml:2: more than 4 aliases (*name)"
+    assert refusal("a: &a x\nb: [*a, *a, *a, *a, *a]\n", "more than 4 aliases") == "f.yaml:2: more than 4 aliases (*name)"
 
 
 def test_values_are_counted_with_every_alias_expanded():
     # 1 mapping + 2 keys' values: a list of 20 and a list of 2 aliases to it: 3 + 20 + 2 * 21 = 65 > 50.
     items = ", ".join(["x"] * 20)
     parse_document(f"a: &a [{items}]\nb: [*a]\n", "f.yaml", limits=SMALL)
-    assert "aliases expand to more than 50 values" in refusal(f"a: &a [{items}]\nb: [*a, *a]\n")
+    refusal(f"a: &a [{items}]\nb: [*a, *a]\n", "aliases expand to more than 50 values")
 
 
 def test_values_are_counted_as_they_are_read():
-    assert refusal("[" + "x, " * 60 + "]\n") == "f.yaml:1: more than 50 values"
+    assert refusal("[" + "x, " * 60 + "]\n", "more than 50 values") == "f.yaml:1: more than 50 values"
 
 
 def test_a_file_one_byte_over_max_bytes_is_refused(tmp_path):
@@ -416,7 +417,7 @@ def test_a_merge_bomb_is_refused_without_building_its_pairs():
 
 def test_nesting_far_past_python_recursion_is_refused_quickly_and_cleanly():
     for text in ("[" * 1_000_000, "- " * 500_000 + "x", "{a: " * 200_000):
-        assert "nested more than 64 levels deep" in refusal(text + "\n", LIMITS)
+        refusal(text + "\n", "nested more than 64 levels deep", LIMITS)
 
 
 # --- what the loader still accepts ------------------------------------------------------------
@@ -445,6 +446,5 @@ def test_error_lines_escape_what_could_split_them_or_drive_a_terminal():
 
 def test_long_values_quoted_in_errors_are_cut_short():
     doc = parse_document("schema: " + "x" * 5000 + "\n", "f.yaml")
-    with pytest.raises(InputError) as raised:
+    with pytest.raises(InputError, match=r"^f\.yaml:1: schema: expected an integer, got 'x{60}…'\Z"):
         Reader(doc).integer(doc.data["schema"], ("schema",))
-    assert re.fullmatch(r"f\.yaml:1: schema: expected an integer, got 'x{60}…'", str(raised.value))

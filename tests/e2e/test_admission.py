@@ -469,7 +469,9 @@ def test_hostile_requests_leave_the_server_answering(webhook, images, tls):
 
 
 def test_plain_http_is_not_served(webhook):
-    with pytest.raises(httpx.HTTPError):
+    # The TLS listener reads the request as a bad handshake and hangs up: no HTTP answer comes back.
+    with pytest.raises(httpx.HTTPError, match=r"^(Server disconnected without sending a response\.|"
+                                              r"\[Errno 104\] Connection reset by peer)$"):
         httpx.get(webhook.url.replace("https://", "http://") + "/healthz", timeout=5)
     assert webhook.client.get(f"{webhook.url}/healthz").status_code == 200
 

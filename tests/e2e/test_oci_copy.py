@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tracemalloc
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -176,10 +177,11 @@ def test_wrong_credentials_fail_in_one_line_naming_the_registry_and_never_the_se
     digest = crane_image(tmp_path, repository)
     caplog.set_level(logging.DEBUG)
     target = Registry(basic_registry, credentials=Credentials(ROBOT, canary))
-    with Registry(STAGING) as source, pytest.raises(RegistryAuthError) as raised:
+    denied = f"{basic_registry}/{repository}@{digest}: HEAD manifest answered HTTP 401 (credentials missing or refused)"
+    with Registry(STAGING) as source, pytest.raises(RegistryAuthError, match=re.escape(denied)) as raised:
         copy_image(source, repository, digest, target, repository, tags=["v1"])
     message = str(raised.value)
-    assert "\n" not in message and basic_registry in message and repository in message and "401" in message
+    assert "\n" not in message
     assert raised.value.status == 401
     header = base64.b64encode(f"{ROBOT}:{canary}".encode()).decode()  # what went over the wire
     assert "HTTP Request: PUT" not in caplog.text and "HTTP Request: HEAD http" in caplog.text
@@ -218,18 +220,20 @@ def test_token_auth_refuses_a_push_the_user_may_not_make(tmp_path, token_registr
     repository = _unique("readonly")
     digest = crane_image(tmp_path, repository)
     with Registry(STAGING) as source, Registry(token_registry, credentials=Credentials("reader", passwords["reader"])) as target:
-        with pytest.raises(RegistryAuthError) as raised:
+        with pytest.raises(RegistryAuthError, match=re.escape(f"{token_registry}/{repository}: start upload answered HTTP ")
+                           + r"(401 \(credentials missing or refused\)|403 \(the credentials lack permission\))") as raised:
             copy_image(source, repository, digest, target, repository, tags=["v1"])
-    assert raised.value.status in (401, 403) and token_registry in str(raised.value)
+    assert raised.value.status in (401, 403)
     assert passwords["reader"] not in str(raised.value)
 
 
 def test_token_auth_with_wrong_password_is_refused_by_the_token_service(token_registry):
     canary = f"canary-{uuid.uuid4().hex}"
     with Registry(token_registry, credentials=Credentials(ROBOT, canary)) as target:
-        with pytest.raises(RegistryAuthError) as raised:
+        with pytest.raises(RegistryAuthError,
+                           match=re.escape(f"{token_registry}: the token service refused the credentials (HTTP 401)")) as raised:
             target.head_manifest(_unique("any"), "v1")
-    assert "token service refused" in str(raised.value) and canary not in str(raised.value)
+    assert canary not in str(raised.value)
 
 
 def test_a_mount_within_a_token_registry_asks_for_pull_on_the_source_repository(
@@ -272,9 +276,10 @@ def test_check_access_tells_pull_rights_from_push_rights(token_registry, passwor
     repository = _unique("access")
     with Registry(token_registry, credentials=Credentials("reader", passwords["reader"])) as reader:
         reader.check_access(repository)
-        with pytest.raises(RegistryAuthError) as raised:
+        with pytest.raises(RegistryAuthError, match=re.escape(f"{token_registry}/{repository}: check access answered "
+                                                               "HTTP 401 (credentials missing or refused)")) as raised:
             reader.check_access(repository, push=True)
-    assert "check access" in str(raised.value) and raised.value.status == 401
+    assert raised.value.status == 401
 
 
 # --- credentials stay where they belong -----------------------------------------------------
@@ -295,11 +300,11 @@ def test_a_blob_redirected_to_a_host_asking_for_credentials_gets_none_and_the_re
     try:
         with Registry(proxy.host, credentials=robot, token_realms=(storage.host,)) as client:
             assert client.blob_size(repository, digest) == len(content)  # the registry's basic challenge
-            with pytest.raises(RegistryError) as raised:
+            with pytest.raises(RegistryError, match=re.escape(f"GET blob: the redirect target {storage.host!r} answered "
+                                                              "HTTP 401 (the registry's credentials are never sent")) as raised:
                 client.get_blob(repository, digest)
             assert [seen.authorization for seen in storage.seen] == [None], "no credentials, no token"
             assert storage.paths() == ["/b"], "followed once, no token request, no retry"
-            assert f"redirect target {storage.host!r} answered HTTP 401" in str(raised.value)
             assert raised.value.status == 401 and passwords[ROBOT] not in str(raised.value)
             assert client.auth._challenge is not None and client.auth._challenge.scheme == "basic"
             assert client.auth.token_requests == 0
@@ -318,11 +323,13 @@ def test_a_token_realm_on_another_host_is_refused_unless_named_and_works_once_na
     repository = _unique("realm")
     robot = Credentials(ROBOT, passwords[ROBOT])
     before = len(token_service.requests)
-    with Registry(token_registry, credentials=robot) as untrusting, pytest.raises(RegistryAuthError) as raised:
+    refused = (f"{token_registry}: the registry sends token requests to another host, {token_service.host}; "
+               f"no credentials go there unless {TOKEN_REALMS_ENV} names it")
+    with Registry(token_registry, credentials=robot) as untrusting, \
+            pytest.raises(RegistryAuthError, match=re.escape(refused)) as raised:
         untrusting.check_access(repository, push=True)
     message = str(raised.value)
-    assert f"another host, {token_service.host}" in message and TOKEN_REALMS_ENV in message
-    assert token_registry in message and passwords[ROBOT] not in message and "\n" not in message
+    assert passwords[ROBOT] not in message and "\n" not in message
     assert len(token_service.requests) == before, "the unnamed token service heard nothing"
     with Registry(token_registry, credentials=robot, token_realms=[token_service.host]) as named:
         named.check_access(repository, push=True)
@@ -342,9 +349,10 @@ def test_a_tls_registry_is_reached_with_its_ca_bundle_and_refused_without(tools,
         assert target.url.startswith("https://")
         copy_image(source, repository, digest, target, repository, tags=["v1"])
     assert skopeo_digest(tools["skopeo"], f"{tls_registry}/{repository}:v1", ca_dir=test_ca.trust_dir) == digest
-    with Registry(tls_registry, insecure=False) as untrusting, pytest.raises(RegistryError) as raised:
+    untrusted = (re.escape(f"{tls_registry}/{repository}: HEAD manifest: ") + ".*certificate verify failed.*"
+                 + re.escape("(the registry's certificate is not trusted: give its CA bundle)"))
+    with Registry(tls_registry, insecure=False) as untrusting, pytest.raises(RegistryError, match=untrusted):
         untrusting.head_manifest(repository, "v1")
-    assert tls_registry in str(raised.value) and "give its CA bundle" in str(raised.value)
     assert untrusting.retry_log.retries == 0, "an untrusted certificate is not retried"
 
 
@@ -554,12 +562,11 @@ def test_a_registry_that_keeps_failing_gives_one_clear_error_and_leaves_no_tag(t
     proxy = FlakyProxy(region_registry, [Fault("PUT", r"/manifests/sha256:", "status", status=503, times=100)])
     try:
         with Registry(STAGING) as source, Registry(proxy.host, retry=FAST_RETRIES) as target:
-            with pytest.raises(RegistryError) as raised:
+            with pytest.raises(RegistryError, match=re.escape(f"{proxy.host}/{repository}@{digest}: PUT manifest "
+                                                              "answered HTTP 503")) as raised:
                 copy_image(source, repository, digest, target, repository, tags=["never"])
     finally:
         proxy.stop()
-    message = str(raised.value)
-    assert proxy.host in message and repository in message and "PUT manifest" in message and "503" in message
     assert raised.value.status == 503 and proxy.faults[0].served == FAST_RETRIES.attempts
     assert httpx.head(f"http://{region_registry}/v2/{repository}/manifests/never").status_code == 404
 
@@ -570,21 +577,22 @@ def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_stat
     proxy = FlakyProxy(region_registry, [Fault("HEAD", r"/manifests/", "status", status=429, retry_after="3600")])
     try:
         with Registry(STAGING) as source, Registry(proxy.host) as target:
-            with pytest.raises(RegistryError) as raised:
+            with pytest.raises(RegistryError, match=re.escape(f"{proxy.host}/{repository}@{digest}: HEAD manifest "
+                                                              "answered HTTP 429")) as raised:
                 copy_image(source, repository, digest, target, repository)
             assert target.retry_log.retries == 0
     finally:
         proxy.stop()
-    assert raised.value.status == 429 and "HEAD manifest answered HTTP 429" in str(raised.value)
+    assert raised.value.status == 429
 
 
 def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(region_registry):
     repository = _unique("missing")
     with Registry(STAGING) as source, Registry(region_registry) as target:
-        with pytest.raises(RegistryError) as raised:
+        with pytest.raises(RegistryError, match=f"^{re.escape(f'{STAGING}/{repository}:v1: no such manifest')}$") as raised:
             copy_image(source, repository, "v1", target, repository, tags=["v1"])
         assert target.list_tags(repository) == set()
-    assert str(raised.value) == f"{STAGING}/{repository}:v1: no such manifest" and raised.value.status == 404
+    assert raised.value.status == 404
 
 
 # --- signatures, attestations, referrers ----------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import httpx
 import pytest
@@ -104,13 +105,12 @@ def test_a_layer_digest_outside_the_grammar_stops_the_copy_before_any_blob_is_as
     sent, hooks = _target_requests()
     try:
         with Registry(server.host) as source, Registry(STAGING, event_hooks=hooks) as target:
-            with pytest.raises(RegistryError) as raised:
+            with pytest.raises(RegistryError, match=re.escape(f"layer digest {ascii(layer)} is not a digest")) as raised:
                 copy_image(source, "team/app", "v1", target, f"e2e/{unique('hostile')}",
                            options=CopyOptions(locations=BlobLocations()))
         assert server.paths() == ["/v2/team/app/manifests/v1", f"/v2/team/app/manifests/{digest}"]
         assert sent == [], "nothing went to the target either"
-        message = str(raised.value)
-        assert "layer digest" in message and ascii(layer) in message and "\x1b" not in message
+        assert "\x1b" not in str(raised.value)
     finally:
         server.stop()
 
@@ -123,12 +123,12 @@ def test_a_referrer_digest_with_a_slash_is_refused_before_it_is_requested(stagin
     server.routes[f"/v2/team/app/referrers/{digest}"] = (200, {"Content-Type": OCI_INDEX}, index)
     try:
         with Registry(server.host) as source, Registry(STAGING) as target:
-            with pytest.raises(RegistryError) as raised:
+            with pytest.raises(RegistryError, match=re.escape(f"GET referrers: the registry's referrer digest {ascii(bad)} "
+                                                              "is not a digest")):
                 copy_image(source, "team/app", "v1", target, f"e2e/{unique('hostile-referrer')}",
                            options=CopyOptions(signatures=True, locations=BlobLocations()))
         assert f"/v2/team/app/referrers/{digest}" in server.paths()
         assert not [path for path in server.paths() if "other" in path or HEX in path], server.paths()
-        assert ascii(bad) in str(raised.value) and "referrer" in str(raised.value)
     finally:
         server.stop()
 
@@ -144,13 +144,21 @@ def test_tags_digests_and_urls_a_registry_answers_are_checked_before_they_are_us
     })
     try:
         with Registry(server.host, credentials=None, username="u", password="p-canary") as registry:
-            for call, said in ((lambda: registry.list_tags("team/app"), "tag '../../x'"),
-                               (lambda: registry.head_manifest("team/app", "v1"), "Docker-Content-Digest"),
-                               (lambda: registry.list_tags("team/paged"), "outside this registry's"),
-                               (lambda: registry.start_upload("team/app"), "outside this registry's")):
-                with pytest.raises(RegistryError) as raised:
+            for call, said in (
+                    (lambda: registry.list_tags("team/app"),
+                     "team/app: list tags: the registry's tag '../../x' is not a tag"),
+                    (lambda: registry.head_manifest("team/app", "v1"),
+                     "team/app: HEAD manifest: the registry's Docker-Content-Digest 'sha256:../../../other/manifests/x' "
+                     "is not a digest"),
+                    (lambda: registry.list_tags("team/paged"),
+                     f"team/paged: list tags: the registry pointed at 'http://{elsewhere.host}/v2/team/paged/tags/list', "
+                     "outside this registry's"),
+                    (lambda: registry.start_upload("team/app"),
+                     f"team/app: upload location: the registry pointed at "
+                     f"'http://{elsewhere.host}/v2/team/app/blobs/uploads/u', outside this registry's")):
+                with pytest.raises(RegistryError, match=re.escape(said)) as raised:
                     call()
-                assert said in str(raised.value) and "p-canary" not in str(raised.value)
+                assert "p-canary" not in str(raised.value)
         assert elsewhere.seen == [], "no request followed a URL off the registry"
     finally:
         server.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -399,6 +400,11 @@ class Died(BaseException):
     """The process dying at a step hook: a BaseException, so no `except Exception` of the product catches it."""
 
 
+def died_at(phase: str, index: int) -> str:
+    """What Died says: the phase and step it was raised at."""
+    return f"died at the {phase} of step {index}"
+
+
 class FastClock:
     """Wall time plus every wait skipped: soaks, settles and backoffs pass at once, yet the gates see them pass."""
 
@@ -431,11 +437,11 @@ def test_a_crash_at_every_step_before_and_after_it_is_recorded_then_resume_ends_
     timing = Timing(clock=clock.now, sleep=clock.sleep)  # the product's 2 s settle and 1 s backoff, skipped
     lines: list[str] = []
 
-    def start(image: str, local: Path, hook, dies: bool) -> str:
-        """A rollout started in process, which dies at its hook or runs to the end; its ID."""
+    def start(image: str, local: Path, hook, dies_at: tuple[str, int] | None) -> str:
+        """A rollout started in process, which dies at its hook (at `dies_at`) or runs to the end; its ID."""
         lines.clear()
-        if dies:
-            with pytest.raises(Died):
+        if dies_at:
+            with pytest.raises(Died, match=f"^{re.escape(died_at(*dies_at))}$"):
                 rollout.start(config, image, ("stable",), local, lines.append, Runtime(timing, hook))
         else:
             assert rollout.start(config, image, ("stable",), local, lines.append, Runtime(timing, hook)) == 0
@@ -452,7 +458,7 @@ def test_a_crash_at_every_step_before_and_after_it_is_recorded_then_resume_ends_
         written[step.index, phase] = len(audit(local))
 
     image = setup.source("candidate-uninterrupted")
-    reference = setup.record(start(image, local, count, dies=False))
+    reference = setup.record(start(image, local, count, dies_at=None))
     keys = {"digest": image.split("@")[1], "before": dict.fromkeys(REGIONS)}  # the first rollout: no tag before
     expected = event_keys(reference["events"], **keys)
     assert event_keys(audit(local), **keys) == expected and len(written) == 2 * STEPS
@@ -470,10 +476,10 @@ def test_a_crash_at_every_step_before_and_after_it_is_recorded_then_resume_ends_
 
             def die(step: Step, when: StepPhase, at: tuple = at) -> None:
                 if (when, step.index) == at:
-                    raise Died()
+                    raise Died(died_at(when, step.index))
 
             local = tmp_path / f"{phase}-{index}"
-            rollout_id = start(image, local, die, dies=True)
+            rollout_id = start(image, local, die, dies_at=at)
             assert setup.serving_unsigned() == [], at
             assert rollout.resume(config, rollout_id, local, lines.append, Runtime(timing)) == 0, (at, lines)
             assert setup.serving_unsigned() == [], at
