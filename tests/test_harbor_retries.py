@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import socket
 import threading
 import time
@@ -96,11 +97,11 @@ def test_a_get_whose_answer_was_lost_is_sent_again_but_a_post_that_may_have_reac
     server = serve(answer)
     with harbor.HarborClient(server.url, CREDENTIALS, retries=3, backoff=0.05) as client:
         assert client.harbor_version() == "v2.11.0"
-        with pytest.raises(harbor.HarborUnavailable) as raised:
+        with pytest.raises(harbor.HarborUnavailable,
+                           match=f"^{re.escape(f'cannot reach Harbor at {server.url} to create project paddle: ')}"):
             client.request("POST", "/projects", what="create project paddle", json={"project_name": "paddle"},
                            expect=(201,))
     assert server.seen == ["GET /api/v2.0/systeminfo", "GET /api/v2.0/systeminfo", "POST /api/v2.0/projects"]
-    assert str(raised.value).startswith(f"cannot reach Harbor at {server.url} to create project paddle: ")
     assert client.retry_log.retries == 1 and client.retry_log.reasons[0].startswith("GET /api/v2.0/systeminfo: ")
 
 
@@ -127,10 +128,9 @@ def test_a_rate_limit_waits_what_retry_after_says_and_a_lasting_one_fails_with_t
         started = time.monotonic()
         assert client.harbor_version() == "v2.11.0"
         assert time.monotonic() - started >= 1.0 and client.retry_log.waited_s == 1.0
-        with pytest.raises(harbor.HarborUnavailable) as raised:
+        refused = "Harbor answered 429 (TOO_MANY_REQUESTS: slow down) to update project paddle, 3 times [request id rid-9]"
+        with pytest.raises(harbor.HarborUnavailable, match=f"^{re.escape(refused)}\\Z") as raised:
             client.request("PUT", "/projects/7", what="update project paddle", json={})
-    assert str(raised.value) == ("Harbor answered 429 (TOO_MANY_REQUESTS: slow down) to update project paddle, "
-                                 "3 times [request id rid-9]")
     assert raised.value.status == 429 and server.seen.count("PUT /api/v2.0/projects/7") == 3
 
 

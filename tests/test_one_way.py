@@ -307,8 +307,8 @@ def test_a_failing_mmdebstrap_leaves_its_log_and_no_partial_rootfs(tmp_path, mon
                                      'touch "$(dirname "$0")/../rootfs.tar.partial"; exit 25\n', monkeypatch)
     target, log = tmp_path / "rootfs.tar", tmp_path / "mmdebstrap.log"
     source = AptSource("http://deb.example.org/debian", "bookworm", ("main",), "test")
-    with pytest.raises(BaseImageError) as raised:
+    failed = f"mmdebstrap failed (log: {log}):\nepoch=1747699200\nE: cannot reach the mirror"
+    with pytest.raises(BaseImageError, match=f"^{re.escape(failed)}\\Z"):
         mmdebstrap([source], "bookworm", "ca-certificates", 1747699200, target, log)
-    assert str(raised.value) == f"mmdebstrap failed (log: {log}):\nepoch=1747699200\nE: cannot reach the mirror"
     assert log.read_text() == "epoch=1747699200\nE: cannot reach the mirror\n"
     assert not target.exists() and not target.with_name("rootfs.tar.partial").exists()

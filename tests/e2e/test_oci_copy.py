@@ -589,7 +589,7 @@ def test_a_retry_after_longer_than_the_policy_allows_fails_at_once_with_the_stat
 def test_a_missing_source_image_is_one_clear_error_and_the_target_is_left_alone(region_registry):
     repository = _unique("missing")
     with Registry(STAGING) as source, Registry(region_registry) as target:
-        with pytest.raises(RegistryError, match=f"^{re.escape(f'{STAGING}/{repository}:v1: no such manifest')}$") as raised:
+        with pytest.raises(RegistryError, match=f"^{re.escape(f'{STAGING}/{repository}:v1: no such manifest')}\\Z") as raised:
             copy_image(source, repository, "v1", target, repository, tags=["v1"])
         assert target.list_tags(repository) == set()
     assert raised.value.status == 404
