@@ -1,8 +1,10 @@
 """`--only`: one selector, the same axes and the same answers in every command.
 
-The pure selector over plan variants and report records, then the CLI: an unknown axis is
-exit 2 in every command that takes --only, and plan and gate select the same variants from
-the same matrix. (build --dry-run, scan and test on a real registry: tests/e2e/test_selection.py.)
+The pure selector over plan variants and report records; then, in this process, what each command
+selects with it: plan from the matrix, build into its report, scan, gate and test from that report.
+Then the CLI: an unknown axis is exit 2 in every command that takes --only, and one run of plan and
+of gate shows the flag reaches them. (build --dry-run, scan, gate and test on a real registry, one
+run each: tests/e2e/test_selection.py.)
 """
 from __future__ import annotations
 
@@ -12,23 +14,25 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.build.plan import build_plan
+from imagebuild.build.plan import build_plan, plan_record
+from imagebuild.build.scheduler import planned_report
+from imagebuild.checks.gate_run import run_gate
+from imagebuild.checks.smoke_run import run_report
 from imagebuild.config.matrix import load_matrix
 from imagebuild.config.selection import AXES, Selection
-from imagebuild.core.report import BuildReport, LayerRecord, VariantRecord
+from imagebuild.core.report import BuildReport, VariantRecord
 from imagebuild.core.source import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "local" / "matrix.yaml"
 PRODUCTION = REPO / "matrix.yaml"
+POLICY = REPO / "policies" / "vulnerabilities.yaml"
 COMMANDS_WITH_ONLY = ("plan", "build", "test", "scan", "gate")
 
 
 def records_of(plan) -> list[VariantRecord]:
-    """The report records a build of `plan` writes (as build.registry_plan makes them)."""
-    return [VariantRecord(id=v.id, tags=list(v.tags), images=[], chain=list(v.chain), device=v.device,
-                          paddle=v.paddle, python=v.python, cuda=v.cuda, cudnn=v.cudnn, os=v.os)
-            for v in plan.variants]
+    """The report records a build of every variant of `plan` writes (before anything is built)."""
+    return planned_report(plan, plan.variants, {}).variants
 
 
 @pytest.fixture(scope="module")
@@ -120,37 +124,68 @@ def test_every_command_lists_the_axes_in_its_help(command, imagebuild):
 
 
 def write_report(workdir: Path, plan) -> Path:
-    """The build report of `plan`'s variants, as a build writes it (nothing scanned yet)."""
-    layers = [LayerRecord(key=k, kind=layer.kind, path=layer.path, image=f"{plan.cache_ref}:{layer.cache_tag}")
-              for k, layer in plan.layers.items()]
-    BuildReport(matrix=str(EXAMPLE), revision="r", registry=plan.registry, repository=plan.repository_ref,
-                cache_repository=plan.cache_ref, created="2026-01-01T00:00:00Z", variants=records_of(plan),
-                layers=layers).write(workdir / "build-report.json")
+    """The build report of every variant of `plan`, as a dry run writes it (nothing built or scanned)."""
+    planned_report(plan, plan.variants, {}).write(workdir / "build-report.json")
     return workdir
 
 
+@pytest.fixture(scope="module")
+def example():
+    return build_plan(load_matrix(EXAMPLE))
+
+
 EXAMPLE_SELECTORS = [("cudnn=8.6",), ("cuda=cpu",), ("device=gpu",), ("os=debian12",), ("python=3.11",),
-                     ("paddle=3.3.1", "cudnn=8.6"), ("paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12",)]
+                     ("paddle=3.3.1", "cudnn=8.6"), ("python=3.11,3.12", "device=gpu"),
+                     ("paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12",)]
+
+
+class NoContainers:
+    """The smoke runner `test` makes, for a report of which nothing was built: it is never asked to run one."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the smoke runner was asked for {name}: nothing was built")
 
 
 @pytest.mark.parametrize("only", EXAMPLE_SELECTORS)
-def test_plan_and_gate_select_the_same_variants(only, tmp_path, imagebuild):
-    options = [arg for selector in only for arg in ("--only", selector)]
-    planned = imagebuild("plan", "--matrix", EXAMPLE, "--format", "json", *options)
-    assert planned.returncode == 0, planned.stderr
-    expected = [v["id"] for v in json.loads(planned.stdout)["variants"]]
-    assert expected == [v.id for v in Selection.parse(only).apply(build_plan(load_matrix(EXAMPLE)).variants)]
+def test_every_command_selects_the_same_variants_and_records_only_those(only, example, tmp_path):
+    selection = Selection.parse(only)
+    expected = [v["id"] for v in plan_record(example, {v.id for v in selection.apply(example.variants)})["variants"]]
+    assert expected  # what plan --only prints
 
-    workdir = write_report(tmp_path / "w", build_plan(load_matrix(EXAMPLE)))
-    gated = imagebuild("gate", "--workdir", workdir, "--policy", REPO / "policies" / "vulnerabilities.yaml",
-                       "--format", "json", *options)
-    assert gated.returncode == 1, gated.stderr  # nothing was scanned: each selected image is blocked
+    built = planned_report(example, selection.choose(example.variants, str(EXAMPLE)), {})
+    assert [v.id for v in built.variants] == expected  # what build --only writes into its report
+
+    # scan, gate and test select from the report of a build of every variant
+    workdir = write_report(tmp_path / "w", example)
+    report_path = workdir / "build-report.json"
+    assert [v.id for v in selection.choose(BuildReport.read(report_path).variants, str(report_path))] == expected
+    gated = run_gate(workdir, POLICY, selection)
+    assert not gated.passed  # nothing was scanned: each selected image is blocked
+    assert [image["variant"] for image in gated.record["images"]] == expected
+    tested = run_report(report_path, None, selection, NoContainers)
+    assert [r.variant for r in tested] == expected
+    assert {(r.status, r.reason) for r in tested} == {("error", "not built (build status: pending)")}
+    recorded = [v.id for v in BuildReport.read(report_path).variants if {"gate", "smoke"} <= set(v.stages)]
+    assert recorded == expected  # and only those got results
+
+
+def test_plan_and_gate_take_only(tmp_path, imagebuild, example):
+    """The flag reaches both commands: the CPU variant alone, of the example's two."""
+    expected = [v.id for v in Selection.parse(["cuda=cpu"]).apply(example.variants)]
+    assert len(expected) == 1 and len(example.variants) == 2
+    planned = imagebuild("plan", "--matrix", EXAMPLE, "--format", "json", "--only", "cuda=cpu")
+    assert planned.returncode == 0, planned.stderr
+    assert [v["id"] for v in json.loads(planned.stdout)["variants"]] == expected
+
+    workdir = write_report(tmp_path / "w", example)
+    gated = imagebuild("gate", "--workdir", workdir, "--policy", POLICY, "--format", "json", "--only", "cuda=cpu")
+    assert gated.returncode == 1, gated.stderr  # nothing was scanned: the selected image is blocked
     assert [image["variant"] for image in json.loads(gated.stdout)["images"]] == expected
 
 
 @pytest.mark.parametrize("command", ["gate", "scan", "test"])
-def test_a_selector_matching_no_variant_of_the_report_is_exit_2(command, tmp_path, imagebuild):
-    workdir = write_report(tmp_path / "w", build_plan(load_matrix(EXAMPLE)))
+def test_a_selector_matching_no_variant_of_the_report_is_exit_2(command, tmp_path, imagebuild, example):
+    workdir = write_report(tmp_path / "w", example)
     before = (workdir / "build-report.json").read_text()
     run = imagebuild(command, "--workdir", workdir, "--only", "python=2.7")
     assert run.returncode == 2, run.stdout + run.stderr

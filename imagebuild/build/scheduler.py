@@ -3,6 +3,10 @@
 Each layer image lives in the cache repository under its content key
 (`<registry>/<project>/<cache>:<kind>-<key>`); a child builds FROM its parent by digest.
 A variant gets its release tags only once its whole chain is in the registry.
+
+Builder is the scheduling: order, the jobs limit, failures reaching descendants, abandoning on an
+interrupt or an error, the report. Building one layer is a LayerBuilder's (DockerLayerBuilder:
+`docker build`, then the push) and tagging a Tagger's (RegistryTagger), both handed to Builder.
 """
 from __future__ import annotations
 
@@ -13,16 +17,16 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from docker.errors import DockerException
 
 from imagebuild.build import publish
-from imagebuild.build.plan import Plan, Variant, build_plan, plan_record, with_ancestors
+from imagebuild.build.plan import Layer, Plan, Variant, build_plan, plan_record, with_ancestors
 from imagebuild.build.render import check_tree
 from imagebuild.config.matrix import Matrix
 from imagebuild.core.report import (
@@ -98,26 +102,41 @@ def registry_plan(plan: Plan, variants: Iterable[Variant], resolve_digests: bool
     `layer_keys` adds those layers and their parents without their variants (`build --layers`).
     """
     variants = list(variants)
-    keys = list(dict.fromkeys([*(k for v in variants for k in v.chain), *with_ancestors(plan, layer_keys)]))
+    layer_keys = list(layer_keys)
+    keys = report_keys(plan, variants, layer_keys)
     cache = ImageRef.parse(plan.cache_ref)
-    found: dict[tuple[str, str], str | None] = {}
+    held: dict[str, str | None] = {}
     if resolve_digests:
         found = head_many(cache.registry, [(cache.repository, plan.layers[k].cache_tag) for k in keys],
                           event_hooks=event_hooks)
-        existing = {tag for (_, tag), digest in found.items() if digest}
+        held = {k: found[(cache.repository, plan.layers[k].cache_tag)] for k in keys
+                if found.get((cache.repository, plan.layers[k].cache_tag))}
     else:
         with Registry(cache.registry) as registry:
             if event_hooks:
                 registry.client.event_hooks = event_hooks
             existing = registry.list_tags(cache.repository)
+        held = {k: None for k in keys if plan.layers[k].cache_tag in existing}
+    return planned_report(plan, variants, held, layer_keys)
+
+
+def report_keys(plan: Plan, variants: Iterable[Variant], layer_keys: Iterable[str] = ()) -> list[str]:
+    """The layers a build of `variants` (and of `layer_keys` with their parents) needs, parents first."""
+    return list(dict.fromkeys([*(k for v in variants for k in v.chain), *with_ancestors(plan, layer_keys)]))
+
+
+def planned_report(plan: Plan, variants: Iterable[Variant], held: Mapping[str, str | None],
+                   layer_keys: Iterable[str] = ()) -> BuildReport:
+    """The report before the build starts (pure): each layer the cache repository holds is reused,
+    the rest are to build. `held`: layer key -> its digest there (None where only its tag was listed)."""
+    variants = list(variants)
     layers = []
-    for key in keys:
+    for key in report_keys(plan, variants, layer_keys):
         layer = plan.layers[key]
-        exists = layer.cache_tag in existing
-        digest = found.get((cache.repository, layer.cache_tag))
         layers.append(LayerRecord(key=key, kind=layer.kind, path=layer.path,
                                   image=f"{plan.cache_ref}:{layer.cache_tag}",
-                                  status=LayerStatus.REUSED if exists else LayerStatus.TO_BUILD, digest=digest))
+                                  status=LayerStatus.REUSED if key in held else LayerStatus.TO_BUILD,
+                                  digest=held.get(key)))
     records = [
         VariantRecord(id=v.id, tags=list(v.tags), images=[f"{plan.repository_ref}:{t}" for t in v.tags],
                       chain=list(v.chain), device=v.device, paddle=v.paddle, python=v.python,
@@ -151,13 +170,65 @@ def _now() -> str:
 Event = Callable[[str, LayerRecord], None]  # (event name, layer) for progress displays
 
 
+@dataclass(frozen=True)
+class LayerResult:
+    """What building one layer came to: its digest in the cache repository, or why there is none."""
+
+    digest: str | None
+    error: str = ""  # the log's tail, or "timed out after N s"; a stopped build's is not shown
+
+    @classmethod
+    def failed(cls, error: str) -> LayerResult:
+        return cls(None, error)
+
+
+class LayerBuilder(Protocol):
+    """Builds one layer and pushes it to the cache repository (DockerLayerBuilder: docker build, then push).
+
+    Builder calls `build` from its worker threads, at most `jobs` at once, each layer after its
+    parent is in the registry; the order, the failures and the report are Builder's.
+    """
+
+    def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:
+        """Build `layer` FROM its parent (`rec.base_digest`), push it as `rec.image`, its output to `log`.
+
+        It may note how it went on `rec` (steps, pushed_by, blobs); Builder marks its status.
+        """
+        ...
+
+    def stop(self) -> None:
+        """The build is being abandoned: stop the builds and pushes under way and start none.
+
+        A build stopped returns (any result: the layer becomes skipped with the reason).
+        """
+        ...
+
+
+TagVariant = Callable[[VariantRecord, str], None]  # point each of the variant's release tags at the digest
+
+
+class Tagger(Protocol):
+    """Gives a variant whose whole chain is in the registry its release tags (RegistryTagger)."""
+
+    def session(self) -> contextlib.AbstractContextManager[TagVariant]:
+        """One tagging pass: after each release layer, and once at the end."""
+        ...
+
+
 class Builder:
-    def __init__(self, plan: Plan, report: BuildReport, options: BuildOptions, on_event: Event):
+    """Builds the report's to-build layers, parents first, `options.jobs` at once, then tags each
+    complete variant. A failed layer skips its descendants; an interrupt or an error abandons the
+    rest. How one layer is built is `layer_builder`'s (default: DockerLayerBuilder, made when the
+    first layer is due); how a variant is tagged, `tagger`'s (default: RegistryTagger)."""
+
+    def __init__(self, plan: Plan, report: BuildReport, options: BuildOptions, on_event: Event, *,
+                 layer_builder: LayerBuilder | None = None, tagger: Tagger | None = None):
         self.plan = plan
         self.report = report
         self.options = options
         self.on_event = on_event
-        self.runner = Runner()
+        self.layer_builder = layer_builder
+        self.tagger = tagger if tagger is not None else RegistryTagger(plan)
         self.cancelled = threading.Event()  # set when the build is being abandoned; workers start nothing new
         self._stop_reason = "interrupted"
         self._pool: ThreadPoolExecutor | None = None
@@ -203,9 +274,8 @@ class Builder:
         return self._finish()
 
     def _build(self, todo: set[str]) -> None:
-        docker = docker_cli()
-        self.pusher = publish.Pusher(docker, self.runner, self.options.workdir / "spool", self.cancelled,
-                                     self.options.push, self.options.secret_values, self.options.push_timeout_s)
+        if self.layer_builder is None:
+            self.layer_builder = DockerLayerBuilder(self.plan.cache_ref, self.options)
         self.options.workdir.joinpath("logs").mkdir(parents=True, exist_ok=True)
         done: set[str] = {rec.key for rec in self.report.layers if rec.status == "reused"}
         failed: set[str] = set()
@@ -222,7 +292,7 @@ class Builder:
                     self._mark(key, "skipped", error=f"parent {self.plan.layers[parent].path} failed")
                 elif (parent is None or parent in done) and len(running) < self.options.jobs:
                     todo.discard(key)
-                    running[self._pool.submit(self._build_layer, docker, key)] = key
+                    running[self._pool.submit(self._build_layer, self.layer_builder, key)] = key
             if not running:
                 if todo:  # nothing could start: a parent outside the plan (a bug, not input)
                     raise RuntimeError(f"unschedulable layers: {sorted(todo)}")
@@ -248,7 +318,8 @@ class Builder:
         """Stop the running builds; every layer that did not finish becomes skipped with `reason`."""
         self._stop_reason = reason
         self.cancelled.set()
-        self.runner.stop_all()
+        if self.layer_builder is not None:
+            self.layer_builder.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         for rec in self.report.layers:
@@ -262,91 +333,46 @@ class Builder:
             setattr(rec, name, value)
         self.on_event(status, rec)
 
-    def _build_layer(self, docker: str, key: str) -> bool:
+    def _build_layer(self, layer_builder: LayerBuilder, key: str) -> bool:
+        """One worker's layer: True once it is built and pushed."""
         layer = self.plan.layers[key]
         rec = self.report.layer(key)
         log = self.options.workdir / "logs" / f"{layer.kind}-{key[:12]}.log"
         rec.log = str(log)
-        args = dict(layer.build_args)
         if layer.parent is not None:
-            args["IMAGEBUILD_PARENT"] = f"{self.plan.cache_ref}@{self.report.layer(layer.parent).digest}"
             rec.base_digest = self.report.layer(layer.parent).digest
         elif layer.root is not None:
             rec.base_digest = layer.root.digest
         self._mark(key, "building")
         started = time.monotonic()
-        cmd = [docker, "build", "--progress=plain", "--label", f"io.imagebuild.layer.key={key}",
-               "-t", rec.image]
-        for name, value in sorted(args.items()):
-            cmd += ["--build-arg", f"{name}={value}"]
-        for sid, path in sorted(self.options.secrets.items()):
-            cmd += ["--secret", f"id={sid},src={path}"]
-        cmd.append(str(self.options.dockerfiles / layer.path))
-        result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
-                                  timeout=self.options.layer_timeout_s)
-        rec.steps = {"build_s": round(time.monotonic() - started, 1)}
-        error = None
-        if result.timed_out:
-            error = f"timed out after {self.options.layer_timeout_s:g} s"
-        elif result.returncode == 0 and not self.stopping:
-            pushed = time.monotonic()
-            digest, push = self._push(key, log)
-            rec.steps["push_s"] = round(time.monotonic() - pushed, 1)
-            if digest:
-                self._mark(key, "built", digest=digest, duration_s=round(time.monotonic() - started, 1))
-                return True
-            result = push
-            if push.timed_out:
-                error = f"push timed out after {self.options.push_timeout_s:g} s"
+        result = layer_builder.build(layer, rec, log)
         duration = round(time.monotonic() - started, 1)
+        if result.digest:
+            self._mark(key, "built", digest=result.digest, duration_s=duration)
+            return True
         if self.stopping:  # stopped by us, not failed: the report says why it did not finish
             self._mark(key, "skipped", duration_s=duration, error=self._stop_reason)
-            return False
-        tail = "\n".join(result.output.strip().splitlines()[-15:])
-        self._mark(key, "failed", duration_s=duration, error=error or tail)
+        else:
+            self._mark(key, "failed", duration_s=duration, error=result.error)
         return False
-
-    def _push(self, key: str, log: Path) -> tuple[str | None, Result]:
-        """Push the built image (publish.Pusher); any failure fails the layer, with the reason in its log."""
-        rec = self.report.layer(key)
-        layer = self.plan.layers[key]
-        # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
-        base = self.plan.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
-        parent = ImageRef.parse(f"{reference.split(base).name}@{rec.base_digest}") if base and rec.base_digest else None
-        try:
-            pushed = self.pusher.push(rec.image, parent)
-        except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
-            pushed = publish.Pushed(None, "imagebuild",
-                                    f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n")
-        with log.open("a", encoding="utf-8") as handle:
-            handle.write(pushed.output)
-        rec.pushed_by = pushed.by
-        assert rec.steps is not None
-        rec.steps.update(pushed.steps)
-        rec.blobs = pushed.blobs
-        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output, timed_out=pushed.timed_out)
 
     def _tag_variants(self) -> None:
         """Release tags only for variants whose whole chain is in the registry."""
-        with Registry(ImageRef.parse(self.plan.repository_ref).registry) as registry:
+        with self.tagger.session() as tag:
             for variant in self.report.variants:
                 if variant.status != VariantStatus.BUILT:
                     with uninterrupted():  # all of a variant's tags, or none: a signal waits for them
-                        self._tag_variant(registry, variant)
+                        self._tag_variant(tag, variant)
 
-    def _tag_variant(self, registry: Registry, variant: VariantRecord) -> None:
+    def _tag_variant(self, tag: TagVariant, variant: VariantRecord) -> None:
         statuses = [self.report.layer(k).status for k in variant.chain]
         if any(s in (LayerStatus.FAILED, LayerStatus.SKIPPED) for s in statuses):
             variant.status = VariantStatus.FAILED
             return
         if any(s not in (LayerStatus.BUILT, LayerStatus.REUSED) for s in statuses):
             return
-        repo = ImageRef.parse(self.plan.repository_ref)
-        cache = ImageRef.parse(self.plan.cache_ref)
         digest = self.report.layer(variant.chain[-1]).digest or ""
-        for tag in variant.tags:
-            if registry.head_manifest(repo.repository, tag) != digest:
-                copy_within(registry, cache.repository, digest, repo.repository, tag)
+        tag(variant, digest)
         variant.digest = digest
         variant.image = f"{self.plan.repository_ref}@{digest}"
         variant.status = VariantStatus.BUILT
@@ -365,12 +391,102 @@ class Builder:
         self.report.write(self.options.workdir / "build-report.json")
 
 
+class DockerLayerBuilder:
+    """`docker build` on BuildKit FROM the parent's digest, then the push to the cache repository
+    (publish.Pusher). Made when the first layer is due: it needs the docker CLI."""
+
+    def __init__(self, cache_ref: str, options: BuildOptions):
+        self.cache_ref = cache_ref
+        self.options = options
+        self.runner = Runner()
+        self.cancelled = threading.Event()  # set by stop(): nothing new is pushed
+        self.docker = docker_cli()
+        self.pusher = publish.Pusher(self.docker, self.runner, options.workdir / "spool", self.cancelled,
+                                     options.push, options.secret_values, options.push_timeout_s)
+
+    def stop(self) -> None:
+        self.cancelled.set()
+        self.runner.stop_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self.cancelled.is_set() or cancel_requested()
+
+    def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:
+        args = dict(layer.build_args)
+        if layer.parent is not None:
+            args["IMAGEBUILD_PARENT"] = f"{self.cache_ref}@{rec.base_digest}"
+        started = time.monotonic()
+        cmd = [self.docker, "build", "--progress=plain", "--label", f"io.imagebuild.layer.key={layer.key}",
+               "-t", rec.image]
+        for name, value in sorted(args.items()):
+            cmd += ["--build-arg", f"{name}={value}"]
+        for sid, path in sorted(self.options.secrets.items()):
+            cmd += ["--secret", f"id={sid},src={path}"]
+        cmd.append(str(self.options.dockerfiles / layer.path))
+        result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
+                                  timeout=self.options.layer_timeout_s)
+        rec.steps = {"build_s": round(time.monotonic() - started, 1)}
+        if result.timed_out:
+            return LayerResult.failed(f"timed out after {self.options.layer_timeout_s:g} s")
+        if result.returncode != 0 or self.stopping:
+            return LayerResult.failed(_tail(result.output))
+        pushed = time.monotonic()
+        digest, push = self._push(layer, rec, log)
+        rec.steps["push_s"] = round(time.monotonic() - pushed, 1)
+        if digest:
+            return LayerResult(digest)
+        if push.timed_out:
+            return LayerResult.failed(f"push timed out after {self.options.push_timeout_s:g} s")
+        return LayerResult.failed(_tail(push.output))
+
+    def _push(self, layer: Layer, rec: LayerRecord, log: Path) -> tuple[str | None, Result]:
+        """Push the built image (publish.Pusher); any failure fails the layer, with the reason in its log."""
+        # The image it was built FROM, whose blobs the registry has: a layer image, or the root.
+        base = self.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
+        parent = ImageRef.parse(f"{reference.split(base).name}@{rec.base_digest}") if base and rec.base_digest else None
+        try:
+            pushed = self.pusher.push(rec.image, parent)
+        except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
+            pushed = publish.Pushed(None, "imagebuild",
+                                    f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n")
+        with log.open("a", encoding="utf-8") as handle:
+            handle.write(pushed.output)
+        rec.pushed_by = pushed.by
+        assert rec.steps is not None
+        rec.steps.update(pushed.steps)
+        rec.blobs = pushed.blobs
+        return pushed.digest, Result(0 if pushed.digest else 1, pushed.output, timed_out=pushed.timed_out)
+
+
+class RegistryTagger:
+    """Tags within the registry: a tag that does not yet name the digest gets it by copy_within
+    (blobs mounted from the cache repository); one connection per tagging pass."""
+
+    def __init__(self, plan: Plan):
+        self.repository = ImageRef.parse(plan.repository_ref)
+        self.cache = ImageRef.parse(plan.cache_ref)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[TagVariant]:
+        with Registry(self.repository.registry) as registry:
+            def tag(variant: VariantRecord, digest: str) -> None:
+                for name in variant.tags:
+                    if registry.head_manifest(self.repository.repository, name) != digest:
+                        copy_within(registry, self.cache.repository, digest, self.repository.repository, name)
+            yield tag
+
+
 def run_docker_build(runner: Runner, cmd: list[str], *, secrets: Iterable[str], log: Path | None,
                      timeout: float | None) -> Result:
     """`docker build` on BuildKit, with only the allowlisted environment (tools.child_environment):
     a matrix's `run:` steps are its author's shell, and no signing password or registry
     credential of this job may be within their reach, not even through the CLI."""
     return runner.run(cmd, secrets=secrets, log=log, env={"DOCKER_BUILDKIT": "1"}, timeout=timeout, inherit=False)
+
+
+def _tail(output: str, lines: int = 15) -> str:
+    return "\n".join(output.strip().splitlines()[-lines:])
 
 
 def _first_line(exc: BaseException) -> str:
