@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
+from imagebuild.core.report import GateStage, ScanStage, SmokeStage
 from imagebuild.trust import attest
 
 DIGEST = "sha256:" + "b" * 64
@@ -30,8 +32,8 @@ def trivy_report(digest: str = DIGEST) -> dict:
     }
 
 
-SCAN = {"status": "ok", "digest": DIGEST, "trivy_version": "0.76.0", "db_updated_at": "2026-11-30T00:00:00Z",
-        "scanned_at": "2026-12-01T05:00:00Z", "duration_s": 22.9}
+SCAN = ScanStage(status="ok", digest=DIGEST, trivy_version="0.76.0", db_updated_at="2026-11-30T00:00:00Z",
+                 scanned_at="2026-12-01T05:00:00Z", duration_s=22.9)
 
 
 def test_the_six_predicate_types_are_the_ones_verifiers_match():
@@ -74,7 +76,7 @@ def test_the_vuln_predicate_keeps_where_a_secret_was_found_but_never_its_text():
 
 def test_the_vuln_predicate_refuses_a_scan_of_another_digest():
     with pytest.raises(attest.PredicateError, match="scan record is about"):
-        attest.vuln_predicate(trivy_report(), digest=DIGEST, variant=VARIANT, image=IMAGE, scan={**SCAN, "digest": OTHER})
+        attest.vuln_predicate(trivy_report(), digest=DIGEST, variant=VARIANT, image=IMAGE, scan=replace(SCAN, digest=OTHER))
     with pytest.raises(attest.PredicateError, match="Trivy report is about"):
         attest.vuln_predicate(trivy_report(OTHER), digest=DIGEST, variant=VARIANT, image=IMAGE, scan=SCAN)
 
@@ -111,10 +113,10 @@ def test_an_sbom_of_another_image_or_not_cyclonedx_is_refused():
 
 # --- smoke -----------------------------------------------------------------------------------------
 
-SMOKE = {"status": "passed", "image": IMAGE, "digest": DIGEST, "passed": 9, "failed": 0, "errors": 0, "skipped": 6,
-         "skip_reasons": [{"test": "test_gpu::test_device", "reason": "no GPU visible"}], "failures": [],
-         "tiers": ["abi", "gpu"], "suite_digest": "sha256:suite", "junit": "/tmp/x/junit.xml",
-         "log": "/tmp/x/log.txt", "duration_s": 11.3, "exit_code": 0, "gpu_requested": False}
+SMOKE = SmokeStage(status="passed", image=IMAGE, digest=DIGEST, passed=9, failed=0, errors=0, skipped=6,
+                   skip_reasons=[{"test": "test_gpu::test_device", "reason": "no GPU visible"}], failures=[],
+                   tiers=["abi", "gpu"], suite_digest="sha256:suite", junit="/tmp/x/junit.xml",
+                   log="/tmp/x/log.txt", duration_s=11.3, exit_code=0, gpu_requested=False)
 
 
 def test_the_smoke_predicate_says_status_and_counts_for_the_digest():
@@ -122,14 +124,14 @@ def test_the_smoke_predicate_says_status_and_counts_for_the_digest():
     predicate = attest.smoke_predicate(SMOKE, digest=DIGEST, variant=VARIANT, tests=tests)
     assert (predicate["digest"], predicate["variant"], predicate["status"]) == (DIGEST, VARIANT, "passed")
     assert predicate["counts"] == {"passed": 9, "failed": 0, "errors": 0, "skipped": 6}
-    assert predicate["skip_reasons"] == SMOKE["skip_reasons"] and predicate["tiers"] == ["abi", "gpu"]
+    assert predicate["skip_reasons"] == SMOKE.skip_reasons and predicate["tiers"] == ["abi", "gpu"]
     assert predicate["tests"] == tests
     assert "junit" not in predicate and "log" not in predicate, "no paths of the signing machine"
 
 
 def test_the_smoke_predicate_refuses_a_run_on_another_digest():
     with pytest.raises(attest.PredicateError, match=f"smoke record is about {OTHER}"):
-        attest.smoke_predicate({**SMOKE, "digest": OTHER}, digest=DIGEST, variant=VARIANT)
+        attest.smoke_predicate(replace(SMOKE, digest=OTHER), digest=DIGEST, variant=VARIANT)
 
 
 # --- gate ------------------------------------------------------------------------------------------
@@ -141,10 +143,10 @@ def excepted(package: str) -> dict:
                           "reason": "perl is there for dpkg", "expires": "2027-06-30", "line": 14}}
 
 
-GATE = {"status": "passed", "digest": DIGEST, "image": IMAGE, "policy": "examples/local/policy.yaml",
-        "evaluated_on": "2026-12-01", "strict": False, "severity": "HIGH", "ignore_unfixed": False,
-        "counts": {"blocked": 0, "excepted": 3}, "blocking": [],
-        "excepted": [excepted("perl"), excepted("perl-base"), excepted("perl")], "problems": [], "warnings": []}
+GATE = GateStage(status="passed", digest=DIGEST, image=IMAGE, policy="examples/local/policy.yaml",
+                 evaluated_on="2026-12-01", strict=False, severity="HIGH", ignore_unfixed=False,
+                 counts={"blocked": 0, "excepted": 3}, blocking=[],
+                 excepted=[excepted("perl"), excepted("perl-base"), excepted("perl")], problems=[], warnings=[])
 
 
 def test_the_gate_predicate_lists_each_exception_applied_with_owner_reason_and_expiry():
@@ -159,9 +161,9 @@ def test_the_gate_predicate_lists_each_exception_applied_with_owner_reason_and_e
 
 
 def test_a_failed_gate_is_a_blocked_decision_naming_what_blocked():
-    failed = {**GATE, "status": "failed", "excepted": [],
-              "blocking": [{"kind": "vulnerability", "id": "CVE-2024-28757", "package": "libexpat1",
-                            "severity": "HIGH", "why": "fixed in 2.5.0-1+deb12u4"}]}
+    failed = replace(GATE, status="failed", excepted=[],
+                     blocking=[{"kind": "vulnerability", "id": "CVE-2024-28757", "package": "libexpat1",
+                                "severity": "HIGH", "why": "fixed in 2.5.0-1+deb12u4"}])
     predicate = attest.gate_predicate(failed, digest=DIGEST, variant=VARIANT)
     assert predicate["decision"] == "blocked"
     assert predicate["blocking"] == [{"id": "CVE-2024-28757", "kind": "vulnerability", "severity": "HIGH",
@@ -170,4 +172,4 @@ def test_a_failed_gate_is_a_blocked_decision_naming_what_blocked():
 
 def test_the_gate_predicate_refuses_a_verdict_on_another_digest():
     with pytest.raises(attest.PredicateError, match=f"gate record is about {OTHER}"):
-        attest.gate_predicate({**GATE, "digest": OTHER}, digest=DIGEST, variant=VARIANT)
+        attest.gate_predicate(replace(GATE, digest=OTHER), digest=DIGEST, variant=VARIANT)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from imagebuild.checks import gate
+from imagebuild.core.report import GateStage, StageStatus
 from imagebuild.core.source import InputError, parse_document
 
 from .trivy_reports import CPU, DIGEST, GPU, TODAY, misconfig, os_pkgs, python_pkgs, report, secret, vuln
@@ -406,44 +407,46 @@ def test_counts_say_how_each_finding_was_judged():
     assert image.counts() == {gate.BLOCKED: 1, gate.EXCEPTED: 1, gate.IGNORED_UNFIXED: 1, gate.BELOW_THRESHOLD: 1}
 
 
-# --- what sign and push ask -------------------------------------------------------------------------------------
+# --- what sign and push ask: the gate's record ---------------------------------------------------------------
+
+OTHER_DIGEST = "sha256:" + "cd" * 32
 
 
-def gate_stage(result: gate.GateResult) -> dict:
-    image = only_image(result)
-    return {"gate": gate.stage_record(image, result)}
+def gate_record(result: gate.GateResult) -> GateStage:
+    return gate.stage_record(only_image(result), result)
 
 
-def test_release_is_refused_without_a_gate_result():
-    assert "no gate result" in gate.release_refusal(CPU, DIGEST, {})
+def test_the_record_of_a_passed_gate_lets_that_very_image_through():
+    record = gate_record(judge(policy(), scan(CPU, os_pkgs())))
+    assert record.status is StageStatus.PASSED and record.digest == DIGEST
+    assert record.refusal(DIGEST) is None
 
 
-def test_release_is_refused_when_the_gate_failed_and_says_what_blocks():
-    stages = gate_stage(judge(policy(), scan(CPU, os_pkgs(EXPAT))))
-    reason = gate.release_refusal(CPU, DIGEST, stages)
-    assert "did not pass" in reason and "CVE-2024-28757 libexpat1" in reason
-    with pytest.raises(gate.GateRefusal, match=re.escape(f"{CPU}: the gate did not pass (CVE-2024-28757 libexpat1)")):
-        gate.require_gate_passed(CPU, DIGEST, stages)
+def test_the_record_of_a_failed_gate_says_what_blocks():
+    record = gate_record(judge(policy(), scan(CPU, os_pkgs(EXPAT))))
+    assert record.refusal(DIGEST) == "the gate did not pass (CVE-2024-28757 libexpat1)"
 
 
-def test_release_is_refused_when_the_image_changed_since_it_was_gated():
-    stages = gate_stage(judge(policy(), scan(CPU, os_pkgs())))
-    assert "scan and gate it again" in gate.release_refusal(CPU, "sha256:" + "cd" * 32, stages)
+def test_a_gate_that_blocks_on_many_findings_names_the_first_five():
+    record = GateStage(status="failed", digest=DIGEST, blocking=[{"id": f"CVE-{n}", "package": "p"} for n in range(7)],
+                       problems=["not scanned: trivy timed out"])
+    assert record.refusal(DIGEST) == ("the gate did not pass (CVE-0 p; CVE-1 p; CVE-2 p; CVE-3 p; CVE-4 p; "
+                                      "and 3 more)")
+    assert GateStage(status="failed", digest=DIGEST).refusal(DIGEST) == "the gate did not pass (failed)"
 
 
-def test_release_is_allowed_for_the_image_that_passed():
-    stages = gate_stage(judge(policy(), scan(CPU, os_pkgs())))
-    assert gate.release_refusal(CPU, DIGEST, stages) is None
-    gate.require_gate_passed(CPU, DIGEST, stages)
+def test_a_gate_passed_on_another_digest_does_not_count():
+    record = gate_record(judge(policy(), scan(CPU, os_pkgs())))
+    assert record.refusal(OTHER_DIGEST) == (f"the gate judged {DIGEST}, but the image is now {OTHER_DIGEST}; "
+                                            "scan and gate it again")
+    assert record.refusal(None) == "not built (no digest)"
 
 
-def test_release_reads_the_typed_gate_record_of_a_build_report_too():
-    from imagebuild.core.report import GateStage
-
-    passed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs())))["gate"])}
-    failed = {"gate": GateStage.from_dict(gate_stage(judge(policy(), scan(CPU, os_pkgs(EXPAT))))["gate"])}
-    assert gate.release_refusal(CPU, DIGEST, passed) is None
-    assert "CVE-2024-28757 libexpat1" in gate.release_refusal(CPU, DIGEST, failed)
+def test_the_gate_record_is_what_the_result_file_says_of_the_image():
+    result = judge(policy(), scan(CPU, os_pkgs(EXPAT)))
+    (image,) = gate.to_json(result)["images"]
+    assert image == {"variant": CPU, **gate_record(result).to_dict()}
+    assert GateStage.from_dict(gate_record(result).to_dict()) == gate_record(result)
 
 
 # --- the policy file ----------------------------------------------------------------------------------------------

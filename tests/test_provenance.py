@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from imagebuild.config.trust import Requirements
-from imagebuild.core.report import BuildReport, VariantRecord
+from imagebuild.core.report import BuildReport, GateStage, ScanStage, SmokeStage, VariantRecord
 from imagebuild.trust import attest, provenance, sign
 from imagebuild.trust.verify import ATTESTATION_TYPES, Attestation, requirement_failures
 
@@ -82,11 +82,13 @@ LAYOUT = provenance.SignatureLayout(layout="tag", signature=f"{REPOSITORY}:sha25
 def predicates(digest: str = DIGEST) -> dict:
     """The four predicates as sign builds them, with attest.py's builders."""
     return {
-        "smoke": attest.smoke_predicate({**SMOKE, "digest": digest}, digest=digest, variant=VARIANT),
+        "smoke": attest.smoke_predicate(SmokeStage.from_dict({**SMOKE, "digest": digest}), digest=digest,
+                                        variant=VARIANT),
         "vuln": attest.vuln_predicate({**TRIVY, "ArtifactName": f"{REPOSITORY}@{digest}"}, digest=digest,
-                                      variant=VARIANT, image=f"{REPOSITORY}@{digest}", scan={**SCAN, "digest": digest},
+                                      variant=VARIANT, image=f"{REPOSITORY}@{digest}",
+                                      scan=ScanStage.from_dict({**SCAN, "digest": digest}),
                                       db={"source": "trivy-db (fixture)", "updated_at": "2026-12-01T05:07:42Z"}),
-        "gate": attest.gate_predicate({**GATE, "digest": digest}, digest=digest, variant=VARIANT),
+        "gate": attest.gate_predicate(GateStage.from_dict({**GATE, "digest": digest}), digest=digest, variant=VARIANT),
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 from imagebuild.core.report import PushStage, StageStatus, VariantRecord
 from imagebuild.core.source import InputError
 from imagebuild.release import push_plan as plan
-from imagebuild.trust.sign import require_signed
+from imagebuild.release.push import PUSH_NEEDS
 
 OLD = "sha256:" + "a" * 64
 NEW = "sha256:" + "b" * 64
@@ -158,23 +158,23 @@ def variant(**stages) -> VariantRecord:
 
 
 def test_a_variant_signed_for_its_digest_may_be_pushed():
-    assert require_signed(variant()) is None
+    assert variant().refusal(*PUSH_NEEDS) is None
 
 
 @pytest.mark.parametrize(("sign", "why"), [
     (None, "not signed (run `imagebuild sign` first)"),
     ({"status": "failed", "digest": NEW, "reason": "cosign exited 1"}, "signing failed: cosign exited 1"),
-    ({"status": "refused", "digest": NEW, "reason": "gate"}, "signing refused"),
-    ({"status": "passed", "digest": OLD}, f"signed {OLD}, but the variant is now {NEW}"),
-])
+    ({"status": "refused", "digest": NEW, "reason": "gate"}, "signing refused: gate"),
+    ({"status": "interrupted", "digest": NEW}, "signing interrupted: no reason recorded"),
+    ({"status": "passed", "digest": OLD}, f"signed {OLD}, but the variant is now {NEW} (rebuilt since; sign it again)"),
+], ids=["no-record", "failed", "refused", "interrupted", "another-digest"])
 def test_a_variant_not_signed_for_this_very_digest_is_refused(sign, why):
-    reason = require_signed(variant(sign=sign))
-    assert reason is not None and why in reason
+    assert variant(sign=sign).refusal(*PUSH_NEEDS) == f"paddle3.3.1-cpu: {why}"
 
 
 def test_a_report_edited_to_skip_the_gate_is_still_refused():
-    reason = require_signed(variant(gate={"status": "failed", "digest": NEW, "blocking": []}))
-    assert reason is not None and "gate did not pass" in reason
+    reason = variant(gate={"status": "failed", "digest": NEW, "blocking": []}).refusal(*PUSH_NEEDS)
+    assert reason == "paddle3.3.1-cpu: the gate did not pass (failed)"
 
 
 def test_the_push_record_round_trips_through_the_report():

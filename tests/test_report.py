@@ -21,7 +21,9 @@ from imagebuild.core.report import (
     LayerStatus,
     ReportStatus,
     ScanStage,
+    SignStage,
     SmokeStage,
+    StageRecord,
     StageStatus,
     VariantRecord,
     VariantStatus,
@@ -63,6 +65,12 @@ def test_a_status_assigned_as_a_string_becomes_its_word_and_an_unknown_word_is_r
         layer.status = "bulit"
     with pytest.raises(ValueError, match="^'fine' is not a valid StageStatus$"):
         SmokeStage(status="fine")
+    smoke = SmokeStage(status="error")
+    assert smoke.status is StageStatus.ERROR
+    smoke.status = "passed"  # as the smoke run sets it once the suite has run
+    assert smoke.status is StageStatus.PASSED
+    with pytest.raises(ValueError, match="'fine' is not a valid StageStatus"):
+        smoke.status = "fine"
 
 
 def test_a_report_written_before_this_module_reads_and_keeps_its_values(tmp_path):
@@ -164,6 +172,85 @@ def test_a_new_build_run_replaces_the_last_runs_stages(tmp_path):
     record_stage(path, "smoke", {"v-cpu": SmokeStage(status="passed", digest="sha256:old")})
     sample_report(run_id="run-B").write(path)
     assert all(not v["stages"] for v in json.loads(path.read_text())["variants"])
+
+
+# --- passed on this digest: the one question sign, push and release ask -------------------------------
+
+NOW = "sha256:" + "d1" * 32  # the variant's digest
+OLD = "sha256:" + "0d" * 32  # an earlier build's
+
+
+def built(*records: StageRecord, **changes) -> VariantRecord:
+    fields = dict(id="v", tags=["v"], images=["r/p:v"], chain=["k0"], device="cpu", paddle="3.3.1", python="3.11",
+                  cuda=None, cudnn=None, os="debian12", status="built", digest=NOW, image=f"r/p@{NOW}")
+    return VariantRecord(**{**fields, **changes}, stages={r.STAGE: r for r in records})
+
+
+# Each stage a later one waits on, in the four cases: no record, not passed, passed on another digest, passed.
+CONTRACT = [
+    (SmokeStage, None, "v: no smoke test result (run `imagebuild test` first)"),
+    (SmokeStage, SmokeStage(status="failed", digest=NOW, tiers=["abi"], reason="1 test(s) failed, first: t::x: boom"),
+     "v: smoke tests failed: 1 test(s) failed, first: t::x: boom"),
+    (SmokeStage, SmokeStage(status="passed", digest=OLD, tiers=["abi"]),
+     f"v: smoke tests ran on {OLD}, but the variant is now {NOW} (rebuilt since; run `imagebuild test` again)"),
+    (SmokeStage, SmokeStage(status="passed", digest=NOW, tiers=["abi"]), None),
+    (ScanStage, None, "v: no scan result (run imagebuild scan)"),
+    (ScanStage, ScanStage(status="failed", digest=NOW, error="trivy exited 1"), "v: scan failed: trivy exited 1"),
+    (ScanStage, ScanStage(status="ok", digest=OLD), f"v: the scan was of {OLD}, the image is now {NOW}"),
+    (ScanStage, ScanStage(status="ok", digest=NOW), None),
+    (GateStage, None, "v: no gate result; run `imagebuild scan` and `imagebuild gate` first"),
+    (GateStage, GateStage(status="failed", digest=NOW, blocking=[{"id": "CVE-2024-28757", "package": "libexpat1"}]),
+     "v: the gate did not pass (CVE-2024-28757 libexpat1)"),
+    (GateStage, GateStage(status="passed", digest=OLD),
+     f"v: the gate judged {OLD}, but the image is now {NOW}; scan and gate it again"),
+    (GateStage, GateStage(status="passed", digest=NOW), None),
+    (SignStage, None, "v: not signed (run `imagebuild sign` first)"),
+    (SignStage, SignStage(status="failed", digest=NOW, reason="cosign exited 1"), "v: signing failed: cosign exited 1"),
+    (SignStage, SignStage(status="passed", digest=OLD),
+     f"v: signed {OLD}, but the variant is now {NOW} (rebuilt since; sign it again)"),
+    (SignStage, SignStage(status="passed", digest=NOW), None),
+]
+
+
+@pytest.mark.parametrize("kind, record, why", CONTRACT, ids=[
+    f"{kind.STAGE}-{case}" for kind in (SmokeStage, ScanStage, GateStage, SignStage)
+    for case in ("no-record", "not-passed", "passed-on-another-digest", "passed")])
+def test_each_stage_says_whether_its_variant_may_go_on_with_this_digest(kind, record, why):
+    variant = built(*([record] if record else []))
+    assert variant.stage_refusal(kind) == why
+    assert variant.refusal(kind) == why
+    if record is not None:  # the record's own answer is the same, without the variant's name
+        assert record.refusal(NOW) == (why.removeprefix("v: ") if why else None)
+
+
+def test_a_record_read_from_a_report_answers_as_the_one_recorded():
+    written = built(GateStage(status="passed", digest=OLD)).to_dict()
+    assert VariantRecord.from_dict(json.loads(json.dumps(written))).refusal(GateStage) == (
+        f"v: the gate judged {OLD}, but the image is now {NOW}; scan and gate it again")
+
+
+def test_a_variant_passes_when_every_stage_it_needs_passed_on_its_digest_and_the_first_refusal_is_the_answer():
+    smoke = SmokeStage(status="passed", digest=NOW, tiers=["abi", "gpu"])
+    gate = GateStage(status="passed", digest=NOW)
+    sign = SignStage(status="passed", digest=NOW)
+    assert built(smoke, gate, sign).refusal(SmokeStage, GateStage, SignStage) is None
+    assert built(smoke, gate).refusal(SmokeStage, GateStage) is None
+    assert built(smoke, gate).refusal(SmokeStage, GateStage, SignStage) == "v: not signed (run `imagebuild sign` first)"
+    failed = SmokeStage(status="error", digest=NOW, reason="timed out after 900 s")
+    assert built(failed).refusal(SmokeStage, GateStage) == "v: smoke tests error: timed out after 900 s"
+    assert built(smoke).refusal(GateStage, SmokeStage) == (
+        "v: no gate result; run `imagebuild scan` and `imagebuild gate` first")
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"status": "failed"}, "v: not built (status failed)"),
+    ({"status": "pending"}, "v: not built (status pending)"),
+    ({"digest": None}, "v: not built (status built)"),
+    ({"image": None}, "v: not built (status built)"),
+], ids=["failed", "pending", "no-digest", "no-image"])
+def test_a_variant_that_is_not_built_goes_nowhere_whatever_its_records_say(changes, why):
+    records = (SmokeStage(status="passed", digest=NOW, tiers=["abi"]), GateStage(status="passed", digest=NOW))
+    assert built(*records, **changes).refusal(SmokeStage, GateStage) == why
 
 
 # --- concurrent writers in separate processes -------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -270,7 +271,7 @@ def test_an_error_in_a_layer_builder_abandons_the_rest_and_the_report_says_why(p
 def test_an_interrupt_keeps_what_was_built_skips_the_rest_as_interrupted_and_goes_on(plan, tmp_path, interrupt):
     layers, tags = stopped_midway(interrupt), RecordedTags()
     report = report_for(plan, reused=ROOTS)
-    with pytest.raises(KeyboardInterrupt) as raised:
+    with pytest.raises(KeyboardInterrupt, match=f"^{re.escape(str(interrupt))}$") as raised:
         run_builder(plan, report, tmp_path, layers, tags)
 
     assert raised.value is interrupt

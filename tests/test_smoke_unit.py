@@ -25,13 +25,12 @@ from imagebuild.checks.smoke import (
     classify,
     expectations_from_labels,
     parse_junit,
-    require_smoke_passed,
     target_for_record,
     target_from_labels,
 )
 from imagebuild.checks.smoke_run import record_results
 from imagebuild.config.matrix import load_matrix
-from imagebuild.core.report import VariantRecord
+from imagebuild.core.report import SmokeStage, StageStatus, VariantRecord
 from imagebuild.core.source import InputError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,33 +220,43 @@ def test_classify(exit_code, junit, kwargs, status, reason):
         assert reason in got_reason
 
 
-# --- the gate ----------------------------------------------------------------------------------
+# --- the record sign and push read ------------------------------------------------------------
+
+GPU = "paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12"
 
 
-def stage(status="passed", digest=DIGEST, tiers=("abi", "gpu"), reason=None) -> dict:
-    result = SmokeResult(name="v", variant="v", image="img", digest=digest, status=status, reason=reason,
-                         summary=summary(), tiers=tiers)
-    return result.stage()
+def stage(status="passed", digest=DIGEST, tiers=("abi", "gpu"), reason=None) -> SmokeStage:
+    record = SmokeStage(status=status, image="img", digest=digest, reason=reason, tiers=list(tiers))
+    summary().into(record)
+    return record
 
 
-def test_the_gate_lets_a_passed_variant_through():
-    assert require_smoke_passed(gpu_record(stages={"smoke": stage()})) is None
-    assert require_smoke_passed({"id": "v", "digest": DIGEST, "stages": {"smoke": stage()}}) is None
+def test_a_junit_summary_goes_into_the_record_under_the_same_names():
+    record = SmokeStage(status="failed", digest=DIGEST)
+    summary(passed=3, failed=1, skipped=2).into(record)
+    assert (record.passed, record.failed, record.errors, record.skipped) == (3, 1, 0, 2)
+    assert record.failures == [{"test": "t::x", "message": "boom"}] and record.skip_reasons == []
 
 
-@pytest.mark.parametrize("stages, digest, needle", [
-    ({}, DIGEST, "no smoke test result"),
+def test_the_smoke_record_lets_a_variant_through_that_passed_on_its_digest():
+    assert gpu_record(stages={"smoke": stage()}).stage_refusal(SmokeStage) is None
+    assert gpu_record(stages={"smoke": stage(tiers=("abi",))}).stage_refusal(SmokeStage) is None
+
+
+@pytest.mark.parametrize("stages, digest, why", [
+    ({}, DIGEST, "no smoke test result (run `imagebuild test` first)"),
     ({"smoke": stage("failed", reason="1 test(s) failed, first: libcudnn.so.8")}, DIGEST,
      "smoke tests failed: 1 test(s) failed, first: libcudnn.so.8"),
-    ({"smoke": stage("error", reason="timed out after 900 s")}, DIGEST, "smoke tests error: timed out"),
-    ({"smoke": stage(tiers=("gpu",))}, DIGEST, "did not include the abi tier"),
-    ({"smoke": stage()}, "sha256:" + "b" * 64, "rebuilt since"),
-    ({"smoke": stage()}, None, "rebuilt since"),
-])
-def test_the_gate_refuses(stages, digest, needle):
-    reason = require_smoke_passed(gpu_record(stages=stages, digest=digest))
-    assert reason is not None and needle in reason
-    assert reason.startswith("paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12: ")
+    ({"smoke": stage("error", reason="timed out after 900 s")}, DIGEST, "smoke tests error: timed out after 900 s"),
+    ({"smoke": stage("interrupted")}, DIGEST, "smoke tests interrupted: no reason recorded"),
+    ({"smoke": stage(tiers=("gpu",))}, DIGEST, "the smoke tests that passed did not include the abi tier"),
+    ({"smoke": stage()}, "sha256:" + "b" * 64,
+     f"smoke tests ran on {DIGEST}, but the variant is now sha256:{'b' * 64} (rebuilt since; run `imagebuild test` again)"),
+    ({"smoke": stage()}, None,
+     f"smoke tests ran on {DIGEST}, but the variant is now None (rebuilt since; run `imagebuild test` again)"),
+], ids=["no-record", "failed", "error", "interrupted", "no-abi-tier", "another-digest", "no-digest"])
+def test_the_smoke_record_refuses_and_says_why(stages, digest, why):
+    assert gpu_record(stages=stages, digest=digest).stage_refusal(SmokeStage) == f"{GPU}: {why}"
 
 
 # --- the report update ------------------------------------------------------------------------
@@ -261,11 +270,11 @@ def test_results_go_into_the_report_keeping_other_stages(tmp_path):
     ]}
     report.write_text(json.dumps(data))
     report.chmod(0o640)
-    record_results(report, [SmokeResult(name="a", variant="a", image="i", digest=DIGEST, status="passed",
-                                        summary=summary())])
+    record_results(report, [SmokeResult(name="a", variant="a", record=stage())])
     after = json.loads(report.read_text())
     assert after["extra"] == 1
     assert after["variants"][0]["stages"]["scan"] == {"status": "ok"}
+    assert after["variants"][0]["stages"]["smoke"] == stage().to_dict()
     assert after["variants"][0]["stages"]["smoke"]["status"] == "passed"
     assert after["variants"][0]["stages"]["smoke"]["digest"] == DIGEST
     assert after["variants"][1]["stages"] == {}
@@ -273,11 +282,11 @@ def test_results_go_into_the_report_keeping_other_stages(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build-report.json", "build-report.json.lock"]
 
 
-def test_a_stage_record_reads_back_as_a_reused_result():
-    original = SmokeResult(name="a", variant="a", image="i", digest=DIGEST, status="passed", summary=summary(),
-                           duration_s=3.5, suite_digest="abc")
-    back = SmokeResult.from_stage("a", "a", json.loads(json.dumps(original.stage())))
-    assert back.reused and back.stage() == original.stage()
+def test_the_record_reads_back_from_the_report_as_it_was_written():
+    original = stage()
+    original.duration_s, original.suite_digest = 3.5, "abc"
+    back = SmokeStage.from_dict(json.loads(json.dumps(original.to_dict())))
+    assert back == original and back.status is StageStatus.PASSED
 
 
 # --- the in-image helpers (smoke_tests/smoke_lib.py) -----------------------------------------

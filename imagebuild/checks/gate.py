@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from imagebuild.core.errors import ImagebuildError
-from imagebuild.core.report import stage_dict
+from imagebuild.core.report import GateStage, StageStatus
 from imagebuild.core.source import Document, PathKey, Reader, known_list, suggest
 
 POLICY_SCHEMA = 1
@@ -417,42 +417,6 @@ def evaluate(policy: Policy, scans: Iterable[ImageScan], today: dt.date, strict:
     return GateResult(policy, today, strict, tuple(verdicts), tuple(states))
 
 
-# --- what sign and push ask -----------------------------------------------------------------------
-
-
-class GateRefusal(ImagebuildError):
-    """A variant may not be signed or pushed: its gate did not pass for this very image."""
-
-
-def release_refusal(variant_id: str, digest: str | None, stages: Mapping[str, Any]) -> str | None:
-    """Why this variant may not be signed or pushed, or None when its gate passed for `digest`.
-
-    Sign and push call this (through `require_gate_passed`) before touching anything. An image
-    rebuilt after it was gated has another digest, so an old pass does not carry over.
-    `stages` is a report variant's `stages`: typed records (report.GateStage) or their dicts.
-    """
-    gate = stage_dict(stages["gate"]) if stages.get("gate") else None
-    if not gate:
-        return f"{variant_id}: no gate result; run `imagebuild scan` and `imagebuild gate` first"
-    if not digest:
-        return f"{variant_id}: not built (no digest)"
-    if gate.get("digest") != digest:
-        return (f"{variant_id}: the gate judged {gate.get('digest')}, but the image is now {digest}; "
-                "scan and gate it again")
-    if gate.get("status") != "passed":
-        reasons = [f"{b.get('id')} {b.get('package') or b.get('target') or ''}".strip()
-                   for b in gate.get("blocking", [])] + list(gate.get("problems", []))
-        shown = "; ".join(reasons[:5]) + (f"; and {len(reasons) - 5} more" if len(reasons) > 5 else "")
-        return f"{variant_id}: the gate did not pass ({shown or gate.get('status')})"
-    return None
-
-
-def require_gate_passed(variant_id: str, digest: str | None, stages: Mapping[str, Any]) -> None:
-    reason = release_refusal(variant_id, digest, stages)
-    if reason:
-        raise GateRefusal(reason)
-
-
 # --- records and output ---------------------------------------------------------------------------
 
 
@@ -472,23 +436,26 @@ def _finding_record(d: Decision) -> dict[str, Any]:
     return record
 
 
-def stage_record(verdict: ImageVerdict, result: GateResult) -> dict[str, Any]:
-    """What `variants[i].stages["gate"]` holds: enough for sign/push and for people."""
-    return {
-        "status": "passed" if verdict.passed else "failed",
-        "digest": verdict.digest,
-        "image": verdict.image,
-        "policy": result.policy.file,
-        "evaluated_on": result.today.isoformat(),
-        "strict": result.strict,
-        "severity": result.policy.severity,
-        "ignore_unfixed": result.policy.ignore_unfixed,
-        "counts": verdict.counts(),
-        "blocking": [_finding_record(d) for d in verdict.blocking],
-        "excepted": [_finding_record(d) for d in verdict.excepted],
-        "problems": list(verdict.problems),
-        "warnings": list(verdict.warnings),
-    }
+def stage_record(verdict: ImageVerdict, result: GateResult) -> GateStage:
+    """The gate stage's record of one image (`variants[i].stages["gate"]`): enough for sign/push and for people.
+
+    Sign and push ask it `refusal(digest)` (through VariantRecord.refusal): passed, on that very image.
+    """
+    return GateStage(
+        status=StageStatus.PASSED if verdict.passed else StageStatus.FAILED,
+        digest=verdict.digest,
+        image=verdict.image,
+        policy=result.policy.file,
+        evaluated_on=result.today.isoformat(),
+        strict=result.strict,
+        severity=result.policy.severity,
+        ignore_unfixed=result.policy.ignore_unfixed,
+        counts=verdict.counts(),
+        blocking=[_finding_record(d) for d in verdict.blocking],
+        excepted=[_finding_record(d) for d in verdict.excepted],
+        problems=list(verdict.problems),
+        warnings=list(verdict.warnings),
+    )
 
 
 def to_json(result: GateResult) -> dict[str, Any]:
@@ -498,7 +465,7 @@ def to_json(result: GateResult) -> dict[str, Any]:
         "policy": result.policy.file,
         "today": result.today.isoformat(),
         "strict": result.strict,
-        "images": [{"variant": v.variant, **stage_record(v, result)} for v in result.images],
+        "images": [{"variant": v.variant, **stage_record(v, result).to_dict()} for v in result.images],
         "exceptions": [{"id": s.exception.id, "packages": list(s.exception.packages),
                         "variants": list(s.exception.variants), "owner": s.exception.owner,
                         "expires": s.exception.expires.isoformat(), "line": s.exception.line,

@@ -15,7 +15,7 @@ from typing import Any
 from imagebuild.checks import gate as gating
 from imagebuild.checks.scan import image_scans
 from imagebuild.config.selection import Selection
-from imagebuild.core.report import BuildReport, GateStage, ScanStage, VariantRecord, record_stage
+from imagebuild.core.report import BuildReport, GateStage, ScanStage, StageStatus, VariantRecord, record_stage
 from imagebuild.core.source import load_document
 
 
@@ -44,13 +44,14 @@ def run_gate(workdir: Path, policy_path: Path, selection: Selection, *, strict: 
         result = gating.evaluate(policy, scans, today or dt.datetime.now(dt.timezone.utc).date(), strict=strict)
     except Exception as exc:  # no earlier verdict may stand for a gate that did not finish
         error = f"the gate stopped on an error: {type(exc).__name__}: {exc}"
-        record_stage(report_path, "gate", {v.id: {"status": "failed", "digest": v.digest, "image": v.image,
-                                                  "problems": [error]} for v in variants})
+        record_stage(report_path, GateStage.STAGE, {
+            v.id: GateStage(status=StageStatus.FAILED, digest=v.digest, image=v.image, problems=[error])
+            for v in variants})
         raise
     records = {}
     for variant, verdict in zip(variants, result.images):
-        variant.stages["gate"] = records[variant.id] = GateStage.from_dict(gating.stage_record(verdict, result))
-    record_stage(report_path, "gate", records)
+        variant.stages[GateStage.STAGE] = records[variant.id] = gating.stage_record(verdict, result)
+    record_stage(report_path, GateStage.STAGE, records)
     locations, root = sarif_locations(variants)
     sarif = gating.to_sarif(result, tool_version=tool_version(), locations=locations, dockerfiles_root=root)
     record = gating.to_json(result)

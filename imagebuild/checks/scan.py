@@ -269,7 +269,7 @@ def counts(findings: Iterable[gate.Finding]) -> dict[str, Any]:
     return {"vulnerabilities": vulnerabilities, "secrets": secrets, "misconfigurations": misconfigurations}
 
 
-Event = Callable[[str, VariantRecord, dict[str, Any]], None]  # ("start" | "done", variant, stage record)
+Event = Callable[[str, VariantRecord, ScanStage | None], None]  # ("start", variant, None) | ("done", variant, record)
 
 
 @dataclass
@@ -312,32 +312,37 @@ class ScanRun:
                 with uninterrupted():
                     self._record_unfinished(variant, exc)
                 raise
-            variant.stages["scan"] = stage = ScanStage.from_dict(record)
-            record_stage(self.report_path, "scan", {variant.id: stage})  # on record at once
-            rows.append({"id": variant.id, **{k: record.get(k) for k in
-                                              ("status", "image", "duration_s", "counts", "layers", "error")}})
+            self._record(variant, record)  # on record at once
+            rows.append({"id": variant.id, "status": record.status.value, "image": record.image,
+                         "duration_s": record.duration_s, "counts": record.counts or None, "layers": record.layers,
+                         "error": record.error})
         summary = self._summary(rows, db, time.monotonic() - started)
         (scan_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         return summary
+
+    def _record(self, variant: VariantRecord, record: ScanStage) -> None:
+        variant.stages[ScanStage.STAGE] = record
+        record_stage(self.report_path, ScanStage.STAGE, {variant.id: record})
 
     def _record_unfinished(self, variant: VariantRecord, exc: BaseException) -> None:
         """The variant whose scan was cut short: `interrupted` (a signal) or `failed` (an error), never ok."""
         interrupted = isinstance(exc, KeyboardInterrupt)
         reason = "interrupted" if interrupted else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        record = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
-                  "scanned_at": _now(), "status": "interrupted" if interrupted else "failed", "error": reason}
-        variant.stages["scan"] = record
+        record = ScanStage(status=StageStatus.INTERRUPTED if interrupted else StageStatus.FAILED,
+                           digest=variant.digest, image=variant.image, trivy_version=self.trivy.version,
+                           scanned_at=_now(), error=reason)
         with contextlib.suppress(OSError, ValueError):  # the report itself may be what failed; the error says more
-            record_stage(self.report_path, "scan", {variant.id: record})
+            self._record(variant, record)
 
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict[str, Any] | None, config_error: str | None,
-                  db: DbInfo) -> dict[str, Any]:
+                  db: DbInfo) -> ScanStage:
         workdir = self.report_path.parent
-        base: dict[str, Any] = {"digest": variant.digest, "image": variant.image, "trivy_version": self.trivy.version,
-                "db_updated_at": db.updated_at, "scanned_at": _now()}
+        record = ScanStage(status=StageStatus.SKIPPED, digest=variant.digest, image=variant.image,
+                           trivy_version=self.trivy.version, db_updated_at=db.updated_at, scanned_at=_now())
         if variant.status != "built" or not variant.digest or not variant.image:
-            return {**base, "status": "skipped", "error": f"not built (status {variant.status})"}
-        self.on_event("start", variant, base)
+            record.error = f"not built (status {variant.status})"
+            return record
+        self.on_event("start", variant, None)
         started = time.monotonic()
         dockerfiles = dockerfiles_of(self.report, variant)
         try:
@@ -346,23 +351,19 @@ class ScanRun:
             image_report, layers = scan_image(self.trivy, variant, self.options, out)
             found = gate.findings(image_report) + gate.findings(config, targets=dockerfiles)
         except (ScanError, gate.ReportError) as exc:
-            record = {**base, "status": "failed", "error": str(exc),
-                      "duration_s": round(time.monotonic() - started, 1)}
+            record.status, record.error = StageStatus.FAILED, str(exc)
+            record.duration_s = round(time.monotonic() - started, 1)
             self.on_event("done", variant, record)
             return record
-        record = {
-            **base,
-            "status": "ok",
-            "duration_s": round(time.monotonic() - started, 1),
-            "reports": {"image": _rel(out / "image.json", workdir), "sbom": _rel(out / "sbom.cdx.json", workdir),
-                        "config": _rel(workdir / "scan" / "config.json", workdir),
-                        "log": _rel(out / "trivy.log", workdir)},
-            "dockerfiles_root": str(self.options.dockerfiles),
-            "dockerfiles": dockerfiles,
-            "counts": counts(found),
-            "layers": layers.record(),
-            "error": None,
-        }
+        record.status = StageStatus.OK
+        record.duration_s = round(time.monotonic() - started, 1)
+        record.reports = {"image": _rel(out / "image.json", workdir), "sbom": _rel(out / "sbom.cdx.json", workdir),
+                          "config": _rel(workdir / "scan" / "config.json", workdir),
+                          "log": _rel(out / "trivy.log", workdir)}
+        record.dockerfiles_root = str(self.options.dockerfiles)
+        record.dockerfiles = dockerfiles
+        record.counts = counts(found)
+        record.layers = layers.record()
         self.on_event("done", variant, record)
         return record
 
@@ -411,16 +412,9 @@ def image_scans(report: BuildReport, report_path: Path, variants: Iterable[Varia
     for v in variants:
         record = v.stage(ScanStage)
         image, digest = v.image or "", v.digest or ""
-        if not record:
-            out.append(gate.ImageScan(v.id, image, digest, scanned=False, problem="no scan result (run imagebuild scan)"))
-            continue
-        if record.status != StageStatus.OK:
-            out.append(gate.ImageScan(v.id, image, digest, scanned=False,
-                                      problem=f"scan {record.status}: {record.error or ''}".strip()))
-            continue
-        if record.digest != v.digest:
-            out.append(gate.ImageScan(v.id, image, digest, scanned=False,
-                                      problem=f"the scan was of {record.digest}, the image is now {v.digest}"))
+        problem = ScanStage.MISSING if record is None else record.refusal(v.digest)
+        if record is None or problem is not None:
+            out.append(gate.ImageScan(v.id, image, digest, scanned=False, problem=problem or ""))
             continue
         paths = record.reports
         image_report = _load_report(workdir / paths.get("image", ""))

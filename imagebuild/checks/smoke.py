@@ -2,26 +2,24 @@
 
     expectations (from the build report + matrix, or from an image's labels)
     -> [smoke_run.py: one container per image runs smoke_tests/ with pytest]
-    -> JUnit XML -> a result (parse_junit, classify) -> build report `stages["smoke"]`
+    -> JUnit XML -> its record (parse_junit, classify) -> build report `stages["smoke"]` (report.SmokeStage)
 
-`require_smoke_passed` is the gate that sign and push call before they touch a variant:
-it needs nothing but the variant's record.
+Sign and push read that record: `VariantRecord.refusal(SmokeStage, ...)` (report.py) says whether
+the smoke tests passed, with the abi tier, on the variant's very digest.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from imagebuild.config.tiers import TIERS
-from imagebuild.core.report import VariantRecord
+from imagebuild.core.report import SmokeStage, StageStatus, VariantRecord
 from imagebuild.core.source import InputError
 
 if TYPE_CHECKING:  # release files (rollout) and sign read this module; they need neither the matrix nor the plan (jinja2)
     from imagebuild.build.plan import Plan, Variant
     from imagebuild.config.matrix import Combination, Matrix
 
-STAGE = "smoke"
 EXPECT_SCHEMA = "imagebuild.smoke-expect/v1"  # read by smoke_tests/imagebuild_smoke.py
 
 # The labels `--image` needs to know what an image claims to be (set by the release layer).
@@ -186,12 +184,19 @@ def expectations_from_labels(target: Target, labels: Mapping[str, str], gpu_requ
 
 @dataclass
 class JunitSummary:
+    """What a JUnit report says; its fields are the smoke record's of the same names (`into`)."""
+
     passed: int = 0
     failed: int = 0
     errors: int = 0
     skipped: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)  # {test, message}
     skip_reasons: list[dict[str, str]] = field(default_factory=list)  # {test, reason}
+
+    def into(self, record: SmokeStage) -> None:
+        """Put these counts, failures and skip reasons into a smoke record."""
+        for f in fields(self):
+            setattr(record, f.name, getattr(self, f.name))
 
 
 def first_line(text: str, limit: int = 400) -> str:
@@ -227,86 +232,32 @@ def parse_junit(text: str) -> JunitSummary:
 
 
 def classify(exit_code: int | None, summary: JunitSummary | None, *, timed_out: bool = False,
-             timeout_s: float | None = None, oom: bool = False) -> tuple[str, str | None]:
+             timeout_s: float | None = None, oom: bool = False) -> tuple[StageStatus, str | None]:
     """(passed | failed | error, why). pytest exits 0 (passed), 1 (tests failed), 2-5 (trouble)."""
     if timed_out:
-        return "error", f"timed out after {timeout_s:g} s; the container was killed"
+        return StageStatus.ERROR, f"timed out after {timeout_s:g} s; the container was killed"
     if oom:
-        return "error", "killed by the memory limit (raise --memory)"
+        return StageStatus.ERROR, "killed by the memory limit (raise --memory)"
     if summary is None:
-        return "error", f"no JUnit report (exit code {exit_code}); see the log"
+        return StageStatus.ERROR, f"no JUnit report (exit code {exit_code}); see the log"
     if summary.failed or summary.errors:
         first = summary.failures[0] if summary.failures else {"test": "?", "message": ""}
-        return "failed", f"{summary.failed + summary.errors} test(s) failed, first: {first['test']}: {first['message']}"
+        return (StageStatus.FAILED,
+                f"{summary.failed + summary.errors} test(s) failed, first: {first['test']}: {first['message']}")
     if exit_code != 0:
         meaning = {2: "interrupted", 3: "pytest internal error", 4: "pytest usage error",
                    5: "no tests collected"}.get(exit_code or -1, "unexpected exit")
-        return "error", f"pytest exited with code {exit_code} ({meaning}); see the log"
+        return StageStatus.ERROR, f"pytest exited with code {exit_code} ({meaning}); see the log"
     if summary.passed == 0:
-        return "error", "every test was skipped: nothing was verified"
-    return "passed", None
+        return StageStatus.ERROR, "every test was skipped: nothing was verified"
+    return StageStatus.PASSED, None
 
 
 @dataclass
 class SmokeResult:
+    """One image's smoke run: which image it was, and the record it made (build report `stages["smoke"]`)."""
+
     name: str  # the variant id; with --image, the reference given
-    variant: str
-    image: str
-    digest: str | None
-    status: str  # passed, failed, error; interrupted (the run was cut short)
-    reason: str | None = None
-    summary: JunitSummary = field(default_factory=JunitSummary)
-    junit: str | None = None
-    log: str | None = None
-    exit_code: int | None = None
-    duration_s: float | None = None
-    pull_s: float | None = None
-    gpu_requested: bool = False
-    tiers: tuple[str, ...] = TIERS
-    suite_digest: str | None = None
-    reused: bool = False  # an earlier identical run's result, not run again
-
-    def stage(self) -> dict[str, Any]:
-        """The record later stages read (build report `stages["smoke"]`)."""
-        s = self.summary
-        return {
-            "status": self.status, "reason": self.reason, "image": self.image, "digest": self.digest,
-            "passed": s.passed, "failed": s.failed, "errors": s.errors, "skipped": s.skipped,
-            "skip_reasons": s.skip_reasons, "failures": s.failures, "junit": self.junit, "log": self.log,
-            "exit_code": self.exit_code, "duration_s": self.duration_s, "pull_s": self.pull_s,
-            "gpu_requested": self.gpu_requested, "tiers": list(self.tiers), "suite_digest": self.suite_digest,
-        }
-
-    @classmethod
-    def from_stage(cls, name: str, variant: str, stage: Mapping[str, Any]) -> SmokeResult:
-        summary = JunitSummary(passed=stage.get("passed") or 0, failed=stage.get("failed") or 0,
-                               errors=stage.get("errors") or 0, skipped=stage.get("skipped") or 0,
-                               failures=stage.get("failures") or [], skip_reasons=stage.get("skip_reasons") or [])
-        return cls(name=name, variant=variant, image=stage.get("image", ""), digest=stage.get("digest"), status=stage["status"],
-                   reason=stage.get("reason"), summary=summary, junit=stage.get("junit"), log=stage.get("log"),
-                   exit_code=stage.get("exit_code"), duration_s=stage.get("duration_s"),
-                   pull_s=stage.get("pull_s"), gpu_requested=bool(stage.get("gpu_requested")),
-                   tiers=tuple(stage.get("tiers", TIERS)), suite_digest=stage.get("suite_digest"), reused=True)
-
-
-def require_smoke_passed(variant: VariantRecord | Mapping[str, Any]) -> str | None:
-    """The gate for sign and push: None when the variant may go on, else why it may not.
-
-    Refuses a variant with no smoke result, one whose smoke tests did not pass, one tested
-    without the abi tier, and one rebuilt since it was tested (its digest moved).
-    """
-    if isinstance(variant, VariantRecord):
-        variant = variant.to_dict()
-    name = variant.get("id", "?")
-    stage = (variant.get("stages") or {}).get(STAGE)
-    if not stage:
-        return f"{name}: no smoke test result (run `imagebuild test` first)"
-    if stage.get("status") != "passed":
-        why = stage.get("reason") or "no reason recorded"
-        return f"{name}: smoke tests {stage.get('status')}: {why}"
-    if "abi" not in (stage.get("tiers") or ()):
-        return f"{name}: the smoke tests that passed did not include the abi tier"
-    if not variant.get("digest") or stage.get("digest") != variant.get("digest"):
-        return (f"{name}: smoke tests ran on {stage.get('digest')}, but the variant is now "
-                f"{variant.get('digest')} (rebuilt since; run `imagebuild test` again)")
-    return None
+    variant: str  # the variant id ("" when an --image could not be read)
+    record: SmokeStage
+    reused: bool = False  # an earlier identical run's record, not run again

@@ -24,13 +24,12 @@ import tempfile
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from imagebuild.checks.smoke import (
-    STAGE,
     Expectations,
     JunitSummary,
     MatrixContext,
@@ -45,7 +44,7 @@ from imagebuild.checks.smoke import (
 )
 from imagebuild.config.selection import Selection
 from imagebuild.config.tiers import TIERS
-from imagebuild.core.report import BuildReport, SmokeStage, VariantRecord, record_stage
+from imagebuild.core.report import BuildReport, SmokeStage, StageStatus, VariantRecord, record_stage
 from imagebuild.core.runner import Runner, ToolMissing, uninterrupted
 from imagebuild.core.source import InputError
 from imagebuild.oci import reference
@@ -265,29 +264,29 @@ class SmokeRunner:
         return self.client.images.get(ref), round(time.monotonic() - started, 1)
 
     def execute(self, name: str, image: Any, target: Target, expectations: Expectations,
-                extras: tuple[str, ...] = (), previous: Mapping[str, Any] | None = None,
+                extras: tuple[str, ...] = (), previous: SmokeStage | None = None,
                 pull_s: float | None = None) -> SmokeResult:
         """Run the suite (and `extras`) in `image`; `name` keys the output folder and the report.
 
         Where `previous` (this stage's last record) passed on the same digest with the same
-        suite, the run is skipped and that result reused: rerunning a finished stage does nothing.
+        suite, the run is skipped and that record reused: rerunning a finished stage does nothing.
         """
         import docker.errors
 
-        result = SmokeResult(name=name, variant=target.name, image=target.image, digest=target.digest,
-                             status="error", gpu_requested=expectations.gpu_requested,
-                             tiers=self.options.tiers, pull_s=pull_s)
-        if result.digest is None:  # --image by tag: the digest the engine knows it by
-            result.digest = next((reference.split(d).digest for d in image.attrs.get("RepoDigests") or []), image.id)
+        record = SmokeStage(status=StageStatus.ERROR, image=target.image, digest=target.digest, pull_s=pull_s,
+                            gpu_requested=expectations.gpu_requested, tiers=list(self.options.tiers))
+        result = SmokeResult(name=name, variant=target.name, record=record)
+        if record.digest is None:  # --image by tag: the digest the engine knows it by
+            record.digest = next((reference.split(d).digest for d in image.attrs.get("RepoDigests") or []), image.id)
         extra_paths = [Path(p).resolve() for p in extras]
         missing = [str(p) for p in extra_paths if not p.exists()]
         if missing:
-            result.reason = f"extra smoke tests not found: {', '.join(missing)}"
+            record.reason = f"extra smoke tests not found: {', '.join(missing)}"
             return result
-        result.suite_digest = suite_digest([self.suite, *extra_paths], expectations, self.options.tiers)
-        if (previous and not self.options.force and previous.get("status") == "passed"
-                and previous.get("digest") == result.digest and previous.get("suite_digest") == result.suite_digest):
-            return SmokeResult.from_stage(name, target.name, previous)
+        record.suite_digest = suite_digest([self.suite, *extra_paths], expectations, self.options.tiers)
+        if (previous is not None and not self.options.force and previous.status == StageStatus.PASSED
+                and previous.digest == record.digest and previous.suite_digest == record.suite_digest):
+            return SmokeResult(name=name, variant=target.name, record=previous, reused=True)
         folder = self.out / _safe_name(name)
         if folder.exists():
             shutil.rmtree(folder)
@@ -297,17 +296,17 @@ class SmokeRunner:
         results = folder / "results"
         results.mkdir()
         results.chmod(0o777)  # written by the image's own (non-root, unknown) user
-        result.log = str(folder / "output.log")
+        record.log = str(folder / "output.log")
         try:
-            self._run_container(image.id, target, extra_paths, folder, result)
+            self._run_container(image.id, target, extra_paths, folder, record)
         except docker.errors.DockerException as exc:
-            result.status, result.reason = "error", f"docker: {_short(exc)}"
+            record.status, record.reason = StageStatus.ERROR, f"docker: {_short(exc)}"
         finally:
             results.chmod(0o755)
         return result
 
     def _run_container(self, image_id: str, target: Target, extras: list[Path], folder: Path,
-                       result: SmokeResult) -> None:
+                       record: SmokeStage) -> None:
         import docker.types
         import requests
 
@@ -326,7 +325,7 @@ class SmokeRunner:
             inside = f"{EXTRA_MOUNT}/{i}/{path.name}"
             mounts.append(docker.types.Mount(inside, str(path), type="bind", read_only=True))
             args.append(inside)
-        gpu = result.gpu_requested
+        gpu = record.gpu_requested
         container = self.client.containers.create(
             image_id, entrypoint=["python", "-B", f"{SUITE_MOUNT}/run.py"], command=args,
             working_dir=MOUNT_ROOT, mounts=mounts,
@@ -351,10 +350,10 @@ class SmokeRunner:
             except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
                 timed_out, exit_code = True, None
                 container.kill()
-            result.duration_s = round(time.monotonic() - started, 1)
+            record.duration_s = round(time.monotonic() - started, 1)
             container.reload()
             oom = bool(container.attrs.get("State", {}).get("OOMKilled"))
-            Path(result.log or folder / "output.log").write_bytes(container.logs(stdout=True, stderr=True))
+            Path(record.log or folder / "output.log").write_bytes(container.logs(stdout=True, stderr=True))
         finally:
             container.remove(force=True)  # also stops it, when an interrupt got here first
         junit = folder / "results" / "junit.xml"
@@ -362,12 +361,12 @@ class SmokeRunner:
         if junit.is_file():
             try:
                 summary = parse_junit(junit.read_text(encoding="utf-8"))
-                result.junit = str(junit)
+                record.junit = str(junit)
             except ET.ParseError:
                 summary = None
-        result.exit_code = exit_code
-        result.summary = summary or JunitSummary()
-        result.status, result.reason = classify(exit_code, summary, timed_out=timed_out,
+        record.exit_code = exit_code
+        (summary or JunitSummary()).into(record)
+        record.status, record.reason = classify(exit_code, summary, timed_out=timed_out,
                                                 timeout_s=self.options.timeout_s, oom=oom)
 
 
@@ -379,8 +378,8 @@ def _short(exc: BaseException) -> str:
 
 
 def record_results(report_path: Path, results: Iterable[SmokeResult]) -> None:
-    """Put each result into its variant's `stages["smoke"]` (see report.record_stage)."""
-    record_stage(report_path, STAGE, {r.name: SmokeStage.from_dict(r.stage()) for r in results})
+    """Put each result's record into its variant's `stages["smoke"]` (see report.record_stage)."""
+    record_stage(report_path, SmokeStage.STAGE, {r.name: r.record for r in results})
 
 
 def report_matrix_path(report: BuildReport, report_path: Path, override: Path | None) -> Path:
@@ -406,8 +405,11 @@ def load_context(matrix_path: Path) -> MatrixContext:
     return MatrixContext(matrix, build_plan(matrix))
 
 
-def _error(name: str, variant: str, image: str, digest: str | None, reason: str) -> SmokeResult:
-    return SmokeResult(name=name, variant=variant, image=image, digest=digest, status="error", reason=reason)
+def _error(name: str, variant: str, image: str, digest: str | None, reason: str, runner: SmokeRunner,
+           status: StageStatus = StageStatus.ERROR) -> SmokeResult:
+    """A run that did not get to the suite (or was cut short): its record says why."""
+    record = SmokeStage(status=status, image=image, digest=digest, reason=reason, tiers=list(runner.options.tiers))
+    return SmokeResult(name=name, variant=variant, record=record)
 
 
 def run_report(report_path: Path, matrix_path: Path | None, selection: Selection,
@@ -447,8 +449,8 @@ def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str |
             runner.remove_containers()
             interrupted = isinstance(exc, KeyboardInterrupt)
             reason = "interrupted" if interrupted else f"stopped on an error: {_short(exc)}"
-            result = SmokeResult(name=name, variant=name, image=image, digest=digest,
-                                 status="interrupted" if interrupted else "error", reason=reason)
+            result = _error(name, name, image, digest, reason, runner,
+                            StageStatus.INTERRUPTED if interrupted else StageStatus.ERROR)
             with contextlib.suppress(OSError, ValueError):  # the report may be what failed; the error says more
                 record_results(report_path, [result])
         raise
@@ -458,17 +460,16 @@ def _run_record(rec: VariantRecord, report: BuildReport, ctx: MatrixContext, run
     import docker.errors
 
     if rec.status != "built" or not rec.image:
-        return _error(rec.id, rec.id, rec.image or "", rec.digest, f"not built (build status: {rec.status})")
+        return _error(rec.id, rec.id, rec.image or "", rec.digest, f"not built (build status: {rec.status})", runner)
     target = target_for_record(rec)
     try:
         image, pull_s = runner.pull(target.image)
     except docker.errors.DockerException as exc:
-        return _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}")
+        return _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}", runner)
     expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
                                     runner.wants_gpu(target.device))
-    previous = rec.stage(SmokeStage)
     return runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
-                          previous=previous.to_dict() if previous else None, pull_s=pull_s)
+                          previous=rec.stage(SmokeStage), pull_s=pull_s)
 
 
 def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Callable[[], SmokeRunner],
@@ -485,9 +486,9 @@ def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Cal
             image, pull_s = runner.pull(ref)
             target, expectations, extras = _image_expectations(ref, dict(image.labels or {}), ctx, runner)
         except docker.errors.DockerException as exc:
-            result = _error(ref, "", ref, None, f"cannot get the image: {_short(exc)}")
+            result = _error(ref, "", ref, None, f"cannot get the image: {_short(exc)}", runner)
         except InputError as exc:
-            result = _error(ref, "", ref, None, str(exc))
+            result = _error(ref, "", ref, None, str(exc), runner)
         else:
             try:
                 result = runner.execute(ref, image, target, expectations, extras, pull_s=pull_s)

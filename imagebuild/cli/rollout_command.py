@@ -92,7 +92,7 @@ def rollout_group() -> None:
 
 def _variant_image(workdir: Path, variant_id: str) -> str:
     """The variant's repository@digest from the build report, refused unless gated and signed for that digest."""
-    from imagebuild.core.report import BuildReport, GateStage, SignStage, StageStatus
+    from imagebuild.core.report import BuildReport, GateStage, SignStage
 
     report_path = workdir / "build-report.json"
     report = BuildReport.read(report_path)
@@ -102,8 +102,7 @@ def _variant_image(workdir: Path, variant_id: str) -> str:
     if not variant.image or not variant.digest:
         raise InputError(str(report_path), None, f"variants.{variant_id}", "not built (no digest recorded)")
     for kind, word in ((GateStage, "gated"), (SignStage, "signed")):
-        stage = variant.stage(kind)
-        if stage is None or stage.status != StageStatus.PASSED or getattr(stage, "digest", None) != variant.digest:
+        if variant.stage_refusal(kind) is not None:
             from imagebuild.rollout.state import RolloutError
 
             raise RolloutError(f"refusing to roll out {variant.image}: the build report does not show it {word} "

@@ -69,13 +69,12 @@ def scan(workdir: Path, only: tuple[str, ...], dockerfiles: Path | None, cache_d
         insecure_registries=insecure_registries)
     trivy = scanning.Trivy.find()
 
-    def progress(event: str, variant: reporting.VariantRecord, record: dict[str, Any]) -> None:
-        if event == "start":
+    def progress(event: str, variant: reporting.VariantRecord, record: reporting.ScanStage | None) -> None:
+        if record is None:
             echo(f"scanning {variant.id} ({variant.image})", err=True)
         else:
-            error = f": {record['error']}" if record.get("error") else ""
-            echo(f"  {record['status']} in {record.get('duration_s')} s{_layers_note(record.get('layers'))}"
-                 f"{error}", err=True)
+            error = f": {record.error}" if record.error else ""
+            echo(f"  {record.status} in {record.duration_s} s{_layers_note(record.layers)}{error}", err=True)
 
     run = scanning.ScanRun(report, report_path, options, trivy, on_event=progress)
     report_at(report_path)

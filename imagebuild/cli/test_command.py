@@ -6,7 +6,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,6 +14,9 @@ from imagebuild.cli.common import echo, format_option, only_option, report_at, r
 from imagebuild.config.selection import Selection
 from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
+
+if TYPE_CHECKING:
+    from imagebuild.checks.smoke import SmokeResult
 
 
 @click.command("test")
@@ -83,8 +86,8 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
              f"{'requested for GPU variants' if runner.gpu_host else 'none on this host'}", err=True)
         return runner
 
-    def progress(result: Any) -> None:
-        echo(f"  {result.status:7} {result.name} ({_smoke_counts(result)})", err=True)
+    def progress(result: SmokeResult) -> None:
+        echo(f"  {result.record.status:7} {result.name} ({_smoke_counts(result)})", err=True)
 
     # An interrupt removes the running container and marks its variant in the report (common.py).
     if images:
@@ -93,37 +96,39 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
         report_at(report_path)
         results = smoke_run.run_report(report_path, matrix_path, selection, make_runner, progress)
     print_smoke_results(results, None if images else report_path, output_format)
-    if any(r.status != "passed" for r in results):
+    if any(r.record.status != "passed" for r in results):
         sys.exit(ExitCode.FAILED)
 
 
-def _smoke_counts(r: Any) -> str:
-    s = r.summary
-    timing = f", {r.duration_s:.1f} s" if r.duration_s is not None else ""
+def _smoke_counts(r: SmokeResult) -> str:
+    s = r.record
+    timing = f", {s.duration_s:.1f} s" if s.duration_s is not None else ""
     return (f"{s.passed} passed, {s.failed + s.errors} failed, {s.skipped} skipped{timing}"
             + (", reused" if r.reused else ""))
 
 
-def print_smoke_results(results: list[Any], report_path: Path | None, output_format: str) -> None:
+def print_smoke_results(results: list[SmokeResult], report_path: Path | None, output_format: str) -> None:
     if output_format == "json":
         click.echo(json.dumps({
             "report": str(report_path) if report_path else None,
-            "status": "passed" if all(r.status == "passed" for r in results) else "failed",
-            "results": [{"name": r.name, "variant": r.variant, "reused": r.reused, **r.stage()} for r in results],
+            "status": "passed" if all(r.record.status == "passed" for r in results) else "failed",
+            "results": [{"name": r.name, "variant": r.variant, "reused": r.reused, **r.record.to_dict()}
+                        for r in results],
         }, indent=2))
         return
     for r in results:
-        echo(f"{r.status.upper() if r.status != 'passed' else r.status:8} {r.name}  ({_smoke_counts(r)})")
-        for failure in r.summary.failures:
+        s = r.record
+        echo(f"{s.status.upper() if s.status != 'passed' else s.status:8} {r.name}  ({_smoke_counts(r)})")
+        for failure in s.failures:
             echo(f"    FAILED {failure['test']}: {failure['message']}")
-        if r.status != "passed" and r.reason and not r.summary.failures:
-            echo(f"    {r.reason}")
+        if s.status != "passed" and s.reason and not s.failures:
+            echo(f"    {s.reason}")
         reasons: dict[str, int] = {}
-        for skip in r.summary.skip_reasons:
+        for skip in s.skip_reasons:
             reasons[skip["reason"]] = reasons.get(skip["reason"], 0) + 1
         for reason, count in reasons.items():
             echo(f"    skipped ({count}): {reason}")
-        if r.junit:
-            echo(f"    junit: {r.junit}")
-    passed = sum(r.status == "passed" for r in results)
+        if s.junit:
+            echo(f"    junit: {s.junit}")
+    passed = sum(r.record.status == "passed" for r in results)
     echo(f"{passed} of {len(results)} image(s) passed" + (f"; report: {report_path}" if report_path else ""))

@@ -27,6 +27,13 @@ wrote) is kept as the dict it is, and written back unchanged. For a new stage:
 
     record_stage(report_path, "sign", {variant.id: SignStage(status="passed", digest=...)})
     BuildReport.read(report_path).variants[0].stage(SignStage)  # -> SignStage | None
+
+Passed on this digest: the record of a stage that a later one requires (a RequiredStage: smoke,
+scan, gate, sign) answers `record.refusal(digest)`, why the image `digest` may not go on past it
+(None: it passed on that very image), and says in `MISSING` why a variant without the record may
+not. `VariantRecord.refusal(SmokeStage, GateStage)` is the one check sign, push and release make
+before they touch a variant: built, then each stage in turn. A stage that passed on another
+digest does not count: the image was rebuilt since.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import json
 import os
 import tempfile
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -97,6 +105,17 @@ def _status(kind: type[_Word], value: Any) -> Any:
     return kind(value)  # ValueError for a word this imagebuild does not know
 
 
+class _StatusField:
+    """Assigning a bare string to `status` turns it into the record's status word (or fails)."""
+
+    _status_kind: ClassVar[type[_Word]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "status":
+            value = _status(self._status_kind, value)
+        object.__setattr__(self, name, value)
+
+
 # --- typed stage records ---------------------------------------------------------------------------
 
 
@@ -115,20 +134,18 @@ def stage_record(name: str) -> Callable[[type[R]], type[R]]:
     return register
 
 
-class StageRecord:
+class StageRecord(_StatusField):
     """Base of the typed stage records: dict <-> dataclass, unknown keys kept.
 
     Subclasses are dataclasses with a `status: StageStatus` field and an `extra` dict last:
     keys a newer imagebuild added are kept there and written back, so a round trip through
-    an older imagebuild loses nothing.
+    an older imagebuild loses nothing. A status given or assigned as a string becomes its word.
     """
 
+    _status_kind: ClassVar[type[_Word]] = StageStatus
     STAGE: ClassVar[str] = ""
     status: StageStatus
     extra: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        self.status = _status(StageStatus, self.status)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "extra"}  # type: ignore[arg-type]
@@ -151,10 +168,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class RequiredStage(StageRecord, ABC):
+    """The record of a stage that a later one requires to have passed on the very image it goes on with.
+
+    Smoke, scan, gate and sign: each says why a variant without its record may not go on
+    (`MISSING`), and why the image `digest` may not go on past it (`refusal`). Ask through
+    `VariantRecord.refusal`, the one check.
+    """
+
+    MISSING: ClassVar[str]
+
+    @abstractmethod
+    def refusal(self, digest: str | None) -> str | None:
+        """Why the image `digest` may not go on past this stage, or None: this record passed on that very image."""
+
+
 @stage_record("smoke")
 @dataclass
-class SmokeStage(StageRecord):
-    """`imagebuild test`: the smoke suite run inside the image (smoke.SmokeResult.stage())."""
+class SmokeStage(RequiredStage):
+    """`imagebuild test`: the smoke suite run inside the image (smoke_run.SmokeRunner.execute makes it)."""
 
     status: StageStatus  # passed, failed, error
     image: str = ""
@@ -176,10 +208,23 @@ class SmokeStage(StageRecord):
     suite_digest: str | None = None  # what the run depended on besides the image
     extra: dict[str, Any] = field(default_factory=dict)
 
+    MISSING: ClassVar[str] = "no smoke test result (run `imagebuild test` first)"
+
+    def refusal(self, digest: str | None) -> str | None:
+        """Passed, with the abi tier, on this very image."""
+        if self.status != StageStatus.PASSED:
+            return f"smoke tests {self.status}: {self.reason or 'no reason recorded'}"
+        if "abi" not in (self.tiers or ()):
+            return "the smoke tests that passed did not include the abi tier"
+        if not digest or self.digest != digest:
+            return (f"smoke tests ran on {self.digest}, but the variant is now {digest} "
+                    "(rebuilt since; run `imagebuild test` again)")
+        return None
+
 
 @stage_record("scan")
 @dataclass
-class ScanStage(StageRecord):
+class ScanStage(RequiredStage):
     """`imagebuild scan`: Trivy over the image by digest; the reports lie under WORKDIR/scan/."""
 
     status: StageStatus  # ok, failed, skipped
@@ -197,11 +242,21 @@ class ScanStage(StageRecord):
     layers: dict[str, Any] | None = None  # scan.LayerUse.record()
     extra: dict[str, Any] = field(default_factory=dict)
 
+    MISSING: ClassVar[str] = "no scan result (run imagebuild scan)"
+
+    def refusal(self, digest: str | None) -> str | None:
+        """Ran (ok) on this very image; what it found is the gate's business."""
+        if self.status != StageStatus.OK:
+            return f"scan {self.status}: {self.error or ''}".strip()
+        if self.digest != digest:
+            return f"the scan was of {self.digest}, the image is now {digest}"
+        return None
+
 
 @stage_record("gate")
 @dataclass
-class GateStage(StageRecord):
-    """`imagebuild gate`: the policy's verdict on the scan (gate.stage_record())."""
+class GateStage(RequiredStage):
+    """`imagebuild gate`: the policy's verdict on the scan (gate.stage_record() makes it)."""
 
     status: StageStatus  # passed, failed
     digest: str | None = None  # the image judged
@@ -218,10 +273,25 @@ class GateStage(StageRecord):
     warnings: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    MISSING: ClassVar[str] = "no gate result; run `imagebuild scan` and `imagebuild gate` first"
+
+    def refusal(self, digest: str | None) -> str | None:
+        """Judged this very image, and passed; else what blocks it (the first five)."""
+        if not digest:
+            return "not built (no digest)"
+        if self.digest != digest:
+            return f"the gate judged {self.digest}, but the image is now {digest}; scan and gate it again"
+        if self.status != StageStatus.PASSED:
+            reasons = [f"{b.get('id')} {b.get('package') or b.get('target') or ''}".strip()
+                       for b in self.blocking or []] + list(self.problems or [])
+            shown = "; ".join(reasons[:5]) + (f"; and {len(reasons) - 5} more" if len(reasons) > 5 else "")
+            return f"the gate did not pass ({shown or self.status})"
+        return None
+
 
 @stage_record("sign")
 @dataclass
-class SignStage(StageRecord):
+class SignStage(RequiredStage):
     """`imagebuild sign`: the cosign signature and the six attestations, by digest (sign.py)."""
 
     status: StageStatus  # passed, failed, refused, interrupted
@@ -240,6 +310,16 @@ class SignStage(StageRecord):
     signed_at: str | None = None
     reason: str | None = None  # why refused or failed
     extra: dict[str, Any] = field(default_factory=dict)
+
+    MISSING: ClassVar[str] = "not signed (run `imagebuild sign` first)"
+
+    def refusal(self, digest: str | None) -> str | None:
+        """Signed this very image."""
+        if self.status != StageStatus.PASSED:
+            return f"signing {self.status}: {self.reason or 'no reason recorded'}"
+        if self.digest != digest:
+            return f"signed {self.digest}, but the variant is now {digest} (rebuilt since; sign it again)"
+        return None
 
 
 @stage_record("push")
@@ -280,17 +360,6 @@ def stage_dict(record: Stage | Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --- the report ------------------------------------------------------------------------------------
-
-
-class _StatusField:
-    """Assigning a bare string to `status` turns it into the record's status word (or fails)."""
-
-    _status_kind: ClassVar[type[_Word]]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "status":
-            value = _status(self._status_kind, value)
-        object.__setattr__(self, name, value)
 
 
 def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -354,6 +423,23 @@ class VariantRecord(_StatusField):
         """This variant's typed record of one stage, e.g. `variant.stage(ScanStage)`; None when absent."""
         record = self.stages.get(kind.STAGE)
         return record if isinstance(record, kind) else None
+
+    def stage_refusal(self, kind: type[RequiredStage]) -> str | None:
+        """Why this variant may not go on past one stage (`<id>: <why>`), or None: it passed on the variant's digest."""
+        record = self.stage(kind)
+        why = kind.MISSING if record is None else record.refusal(self.digest)
+        return f"{self.id}: {why}" if why else None
+
+    def refusal(self, *needs: type[RequiredStage]) -> str | None:
+        """Why this variant may not go on (`<id>: <why>`), or None: it is built, and each stage of
+        `needs` passed on its very digest (asked in order; the first refusal is the answer).
+
+        Sign asks `refusal(SmokeStage, GateStage)` and push adds `SignStage`, so a report edited
+        after signing cannot slip past smoke or the gate either.
+        """
+        if self.status != VariantStatus.BUILT or not self.digest or not self.image:
+            return f"{self.id}: not built (status {self.status})"
+        return next((why for why in map(self.stage_refusal, needs) if why is not None), None)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

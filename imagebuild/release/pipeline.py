@@ -235,18 +235,18 @@ class ReleaseRun:
 
         self.on_event(f"smoke: {len(ids)} image(s), tier {self.options.smoke_tier}")
         results = smoke_run.run_report(self.report_path, None, Selection.parse([f"id={','.join(ids)}"]),
-                                       make_runner, lambda r: self.on_event(f"  smoke {r.status} {r.name}"
+                                       make_runner, lambda r: self.on_event(f"  smoke {r.record.status} {r.name}"
                                                                             + (" (reused)" if r.reused else "")))
         for r in results:
-            s = r.summary
+            s = r.record
             counts = f"{s.passed} passed, {s.skipped} skipped"
-            if r.status == "passed":
+            if s.status == StageStatus.PASSED:
                 cell = Cell(Outcome.REUSED, "already passed", counts) if r.reused else Cell(Outcome.DONE, "passed", counts)
                 self.work["smoke_runs"] += not r.reused
             else:
                 self.work["smoke_runs"] += 1
                 failures = "; ".join(f["test"] for f in s.failures[:3])
-                cell = Cell(Outcome.FAILED, r.status, failures or first_line(r.reason) or r.status)
+                cell = Cell(Outcome.FAILED, s.status.value, failures or first_line(s.reason) or s.status.value)
             self._set(r.variant or r.name, "smoke", cell)
         return self._going()
 
@@ -271,15 +271,18 @@ class ReleaseRun:
         if fresh:
             self.on_event(f"scan: {len(fresh)} image(s) with Trivy {trivy.version}")
             report = BuildReport.read(self.report_path)
-            summary = scanning.ScanRun(report, self.report_path, options, trivy).run(
-                [v for v in report.variants if v.id in {f.id for f in fresh}])
-            self.work["scans"] += len(summary["variants"])
-            for row in summary["variants"]:
-                if row["status"] == "ok":
-                    record = ScanStage(status=StageStatus.OK, counts=row.get("counts") or {})
-                    self._set(row["id"], "scan", Cell(Outcome.DONE, "scanned", scan_counts(record)))
+            scanned = [v for v in report.variants if v.id in {f.id for f in fresh}]
+            scanning.ScanRun(report, self.report_path, options, trivy).run(scanned)  # records each in `scanned`
+            for v in scanned:
+                record = v.stage(ScanStage)
+                if record is None:
+                    continue  # no result: the run loop says so
+                self.work["scans"] += 1
+                why = record.refusal(v.digest)
+                if why is None:
+                    self._set(v.id, "scan", Cell(Outcome.DONE, "scanned", scan_counts(record)))
                 else:
-                    self._set(row["id"], "scan", Cell(Outcome.FAILED, row["status"], first_line(row.get("error"))))
+                    self._set(v.id, "scan", Cell(Outcome.FAILED, record.status.value, first_line(record.error or why)))
         return self._going()
 
     # --- gate ---------------------------------------------------------------------------------
@@ -296,8 +299,7 @@ class ReleaseRun:
         fresh = []
         for v in variants:
             earlier = v.stage(GateStage)
-            if (earlier is not None and earlier.status == StageStatus.PASSED and earlier.digest == v.digest
-                    and earlier.extra.get("inputs") == inputs[v.id]):
+            if earlier is not None and earlier.refusal(v.digest) is None and earlier.extra.get("inputs") == inputs[v.id]:
                 self._set(v.id, "gate", Cell(Outcome.REUSED, "already passed", f"policy {policy}"))
             else:
                 fresh.append(v.id)
@@ -427,14 +429,13 @@ def carry_forward(report_path: Path, report: BuildReport,
 
 
 def earlier_scan_of(variant: VariantRecord) -> bool:
-    record = variant.stage(ScanStage)
-    return record is not None and record.status == StageStatus.OK and record.digest == variant.digest
+    return variant.stage_refusal(ScanStage) is None
 
 
 def scan_reusable(variant: VariantRecord, workdir: Path, trivy_version: str, db_updated_at: str | None) -> bool:
     """Scanned ok on this digest by the same Trivy with the same DB, and its reports are still there."""
     record = variant.stage(ScanStage)
-    if record is None or record.status != StageStatus.OK or record.digest != variant.digest:
+    if record is None or record.refusal(variant.digest) is not None:
         return False
     if record.trivy_version != trivy_version or record.db_updated_at != db_updated_at or db_updated_at is None:
         return False

@@ -37,10 +37,14 @@ from imagebuild.core.report import PushStage, SignStage, StageStatus, VariantRec
 from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryAuthError, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, CopyStats, copy_image
 from imagebuild.release import push_plan as plan
-from imagebuild.trust.sign import require_signed
+from imagebuild.trust.sign import SIGN_NEEDS
 from imagebuild.trust.verify import Evidence, Verifier, parse_image, signature_tag
 
 AUDIT_LOG = "audit.jsonl"
+# What must have passed on a variant's very digest before it is pushed (VariantRecord.refusal): signing,
+# and smoke and gate again, so that a report edited after signing cannot slip past them. The report can
+# still lie, so the signature is verified in the registry too before anything is copied.
+PUSH_NEEDS = (*SIGN_NEEDS, SignStage)
 Event = Callable[[str], None]
 
 
@@ -302,8 +306,8 @@ def push_stage(variant: VariantRecord, outcome: PromoteOutcome | None, *, status
 
 
 def sign_kinds(variant: VariantRecord) -> tuple[str, ...]:
-    record = variant.stages.get("sign")
-    if not isinstance(record, SignStage):
+    record = variant.stage(SignStage)
+    if record is None:
         return ()
     return tuple(a["type"] for a in record.attestations if a.get("type"))
 
@@ -337,11 +341,11 @@ class PushRun:
         return outcomes
 
     def _record(self, variant: VariantRecord, record: PushStage) -> None:
-        variant.stages["push"] = record
-        record_stage(self.report_path, "push", {variant.id: record})
+        variant.stages[PushStage.STAGE] = record
+        record_stage(self.report_path, PushStage.STAGE, {variant.id: record})
 
     def one(self, variant: VariantRecord) -> PushOutcome:
-        why = require_signed(variant)
+        why = variant.refusal(*PUSH_NEEDS)
         if why:
             record = push_stage(variant, None, status=StageStatus.REFUSED, reason=why)
             self._record(variant, record)

@@ -49,6 +49,7 @@ from imagebuild.config.release_file import (
 )
 from imagebuild.config.trust import TrustConfig
 from imagebuild.core.errors import ImagebuildError
+from imagebuild.core.report import SmokeStage, StageStatus
 from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import InputError
 from imagebuild.oci import names, reference
@@ -535,20 +536,19 @@ def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
         return GateOutcome.FAILED, f"{where}: cannot pull {ctx.image}: {_docker_text(exc)}", UNREACHABLE_RETRY_S
     finally:
         client.close()
-    return smoke_check(results[0], where, spec.tier)
+    return smoke_check(results[0].record, where, spec.tier)
 
 
-def smoke_check(result: Any, where: str, tier: str) -> Check:
-    """A smoke_run result as a gate answer: the failing tests by name."""
-    s = result.summary
-    counts = f"{s.passed} passed, {s.failed + s.errors} failed, {s.skipped} skipped; tier {tier}"
-    if result.status == "passed":
+def smoke_check(record: SmokeStage, where: str, tier: str) -> Check:
+    """A smoke run's record as a gate answer: the failing tests by name."""
+    counts = f"{record.passed} passed, {record.failed + record.errors} failed, {record.skipped} skipped; tier {tier}"
+    if record.status == StageStatus.PASSED:
         return GateOutcome.PASSED, f"{where}: smoke {counts}", None
-    failing = [f["test"] for f in s.failures]
+    failing = [f["test"] for f in record.failures]
     if failing:
         shown = ", ".join(failing[:5]) + (f" and {len(failing) - 5} more" if len(failing) > 5 else "")
         return GateOutcome.FAILED, f"{where}: smoke tests failed: {shown} ({counts})", None
-    return GateOutcome.FAILED, f"{where}: smoke {result.status}: {result.reason or 'no reason recorded'}", None
+    return GateOutcome.FAILED, f"{where}: smoke {record.status}: {record.reason or 'no reason recorded'}", None
 
 
 def _docker_text(exc: BaseException) -> str:

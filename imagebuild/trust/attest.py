@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from imagebuild.core.errors import ImagebuildError
+from imagebuild.core.report import GateStage, ScanStage, SmokeStage
 
 PREDICATE_SBOM = "https://cyclonedx.org/bom"
 PREDICATE_VULN = "https://cosign.sigstore.dev/attestation/vuln/v1"
@@ -122,23 +123,22 @@ def _parse_time(text: str) -> dt.datetime:
 
 
 def vuln_predicate(trivy_report: Mapping[str, Any], *, digest: str, variant: str, image: str,
-                   scan: Mapping[str, Any], db: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   scan: ScanStage, db: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """cosign's vuln predicate: {invocation, scanner: {uri, version, db, result}, metadata}.
 
-    `scan` is the variant's scan stage record (report.ScanStage.to_dict()); `db` the scan
-    summary's `db` entry when there is one. The result is Trivy's JSON report, scrubbed of
-    secret text; refused when the stage or the report is about another digest.
+    `scan` is the variant's scan stage record; `db` the scan summary's `db` entry when there
+    is one. The result is Trivy's JSON report, scrubbed of secret text; refused when the
+    stage or the report is about another digest.
     """
-    _require_digest("scan", scan.get("digest"), digest)
+    _require_digest("scan", scan.digest, digest)
     repo_digests = (trivy_report.get("Metadata") or {}).get("RepoDigests") or []
     artifact = str(trivy_report.get("ArtifactName", ""))
     if digest not in artifact and not any(str(d).endswith(digest) for d in repo_digests):
         raise PredicateError(f"the Trivy report is about {artifact or 'an unnamed artifact'}, not {digest}")
-    started_text = scan.get("scanned_at")
-    if not started_text:
+    if not scan.scanned_at:
         raise PredicateError("the scan record has no scanned_at time")
-    started = _parse_time(str(started_text))
-    finished = started + dt.timedelta(seconds=float(scan.get("duration_s") or 0))
+    started = _parse_time(str(scan.scanned_at))
+    finished = started + dt.timedelta(seconds=float(scan.duration_s or 0))
     db = db or {}
     return {
         "invocation": {
@@ -150,9 +150,9 @@ def vuln_predicate(trivy_report: Mapping[str, Any], *, digest: str, variant: str
         },
         "scanner": {
             "uri": TRIVY_URI,
-            "version": str(scan.get("trivy_version") or ""),
+            "version": str(scan.trivy_version or ""),
             "db": {"uri": str(db.get("source") or "trivy-db"),
-                   "version": str(db.get("updated_at") or scan.get("db_updated_at") or "")},
+                   "version": str(db.get("updated_at") or scan.db_updated_at or "")},
             "result": scrub_trivy_report(trivy_report),
         },
         "metadata": {"scanStartedOn": _rfc3339(started), "scanFinishedOn": _rfc3339(finished)},
@@ -164,23 +164,23 @@ def vuln_predicate(trivy_report: Mapping[str, Any], *, digest: str, variant: str
 _SMOKE_FIELDS = ("reason", "tiers", "gpu_requested", "suite_digest", "duration_s", "exit_code")
 
 
-def smoke_predicate(smoke: Mapping[str, Any], *, digest: str, variant: str,
+def smoke_predicate(smoke: SmokeStage, *, digest: str, variant: str,
                     tests: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
     """The smoke result for this digest: status, counts, failures and skip reasons, per-test outcomes.
 
-    `smoke` is the variant's smoke stage record (report.SmokeStage.to_dict()); `tests` the
-    JUnit cases as [{name, outcome}] when the JUnit file is at hand.
+    `smoke` is the variant's smoke stage record; `tests` the JUnit cases as [{name, outcome}]
+    when the JUnit file is at hand.
     """
-    _require_digest("smoke", smoke.get("digest"), digest)
+    _require_digest("smoke", smoke.digest, digest)
     return {
         "digest": digest,
         "variant": variant,
-        "image": smoke.get("image", ""),
-        "status": smoke.get("status"),
-        "counts": {key: int(smoke.get(key) or 0) for key in ("passed", "failed", "errors", "skipped")},
-        **{key: smoke.get(key) for key in _SMOKE_FIELDS},
-        "failures": [dict(f) for f in smoke.get("failures") or []],
-        "skip_reasons": [dict(s) for s in smoke.get("skip_reasons") or []],
+        "image": smoke.image,
+        "status": smoke.status.value,
+        "counts": {key: int(getattr(smoke, key) or 0) for key in ("passed", "failed", "errors", "skipped")},
+        **{key: getattr(smoke, key) for key in _SMOKE_FIELDS},
+        "failures": [dict(f) for f in smoke.failures or []],
+        "skip_reasons": [dict(s) for s in smoke.skip_reasons or []],
         "tests": [dict(t) for t in tests],
     }
 
@@ -188,11 +188,11 @@ def smoke_predicate(smoke: Mapping[str, Any], *, digest: str, variant: str,
 # --- the gate ------------------------------------------------------------------------------------
 
 
-def exceptions_applied(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
+def exceptions_applied(gate: GateStage) -> list[dict[str, Any]]:
     """Each accepted risk the gate applied: the finding (id, package) and the policy's owner, reason, expiry."""
     out: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
-    for finding in gate.get("excepted") or []:
+    for finding in gate.excepted or []:
         exception = finding.get("exception") or {}
         package = str(finding.get("package") or finding.get("target") or "")
         key = (str(finding.get("id")), package, str(exception.get("id")))
@@ -205,24 +205,24 @@ def exceptions_applied(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def gate_predicate(gate: Mapping[str, Any], *, digest: str, variant: str) -> dict[str, Any]:
+def gate_predicate(gate: GateStage, *, digest: str, variant: str) -> dict[str, Any]:
     """The gate's decision for this digest, the policy it applied, and the exceptions that let findings through.
 
-    `gate` is the variant's gate stage record (report.GateStage.to_dict()).
+    `gate` is the variant's gate stage record.
     """
-    _require_digest("gate", gate.get("digest"), digest)
+    _require_digest("gate", gate.digest, digest)
     return {
         "digest": digest,
         "variant": variant,
-        "image": gate.get("image"),
-        "decision": "passed" if gate.get("status") == "passed" else "blocked",
-        "policy": {"file": gate.get("policy"), "severity": gate.get("severity"),
-                   "ignore_unfixed": bool(gate.get("ignore_unfixed")), "strict": bool(gate.get("strict"))},
-        "evaluated_on": gate.get("evaluated_on"),
-        "counts": dict(gate.get("counts") or {}),
+        "image": gate.image,
+        "decision": "passed" if gate.status == "passed" else "blocked",
+        "policy": {"file": gate.policy, "severity": gate.severity,
+                   "ignore_unfixed": bool(gate.ignore_unfixed), "strict": bool(gate.strict)},
+        "evaluated_on": gate.evaluated_on,
+        "counts": dict(gate.counts or {}),
         "blocking": [{"id": b.get("id"), "kind": b.get("kind"), "severity": b.get("severity"),
-                      "package": b.get("package"), "target": b.get("target")} for b in gate.get("blocking") or []],
+                      "package": b.get("package"), "target": b.get("target")} for b in gate.blocking or []],
         "exceptions_applied": exceptions_applied(gate),
-        "problems": list(gate.get("problems") or []),
-        "warnings": list(gate.get("warnings") or []),
+        "problems": list(gate.problems or []),
+        "warnings": list(gate.warnings or []),
     }

@@ -3,7 +3,7 @@
 For each selected variant of the build report:
 
 1. Refuse unless its smoke tests and its gate passed on this very digest
-   (smoke.require_smoke_passed, gate.release_refusal); the refusal is recorded and says why.
+   (`variant.refusal(*SIGN_NEEDS)`, report.py); the refusal is recorded and says why.
 2. Skip when `stages.sign` already passed for this digest with this key and the signature and
    the attestations are still in the registry (a rerun signs nothing; a deleted signature is
    signed again).
@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuild.checks.smoke import require_smoke_passed
 from imagebuild.config.trust import PublicKey
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import (
@@ -78,6 +77,8 @@ SIGNATURE_ANNOTATION = verify.SIGNATURE_ANNOTATION
 BUNDLE_ANNOTATION = "dev.sigstore.cosign/bundle"  # the Rekor entry cosign attaches to a signature it uploaded
 # cosign settings that would put signatures somewhere else than the layout we record and check.
 _COSIGN_ENV_DROPPED = ("COSIGN_REPOSITORY", "COSIGN_EXPERIMENTAL")
+# What must have passed on a variant's very digest before it is signed (VariantRecord.refusal).
+SIGN_NEEDS = (SmokeStage, GateStage)
 
 
 class SignError(ImagebuildError):
@@ -377,7 +378,7 @@ def junit_tests(path: str | None) -> list[dict[str, str]]:
     """[{name, outcome}] from a smoke run's JUnit XML; empty when it is gone."""
     if not path:
         return []
-    import xml.etree.ElementTree as ET  # here: push, which checks require_signed, reads no XML
+    import xml.etree.ElementTree as ET  # here: push, which imports this module, reads no XML
 
     try:
         root = ET.fromstring(Path(path).read_text(encoding="utf-8"))
@@ -424,10 +425,10 @@ def build_predicates(workdir: Path, variant: VariantRecord) -> dict[str, dict[st
         return {
             attest.SBOM.name: attest.sbom_predicate(_read_json(sbom_path, "SBOM"), digest=digest, variant=variant.id),
             attest.VULN.name: attest.vuln_predicate(_read_json(trivy_path, "Trivy report"), digest=digest,
-                                                    variant=variant.id, image=image, scan=scan.to_dict(), db=db),
-            attest.SMOKE.name: attest.smoke_predicate(smoke.to_dict(), digest=digest, variant=variant.id,
+                                                    variant=variant.id, image=image, scan=scan, db=db),
+            attest.SMOKE.name: attest.smoke_predicate(smoke, digest=digest, variant=variant.id,
                                                       tests=junit_tests(smoke.junit)),
-            attest.GATE.name: attest.gate_predicate(gate.to_dict(), digest=digest, variant=variant.id),
+            attest.GATE.name: attest.gate_predicate(gate, digest=digest, variant=variant.id),
         }
     except attest.PredicateError as exc:
         raise SignError(f"{variant.id}: {exc}") from None
@@ -501,37 +502,6 @@ def release_record(report: BuildReport, variant: VariantRecord, predicates: dict
 # --- the run ---------------------------------------------------------------------------------------
 
 
-def refusal(variant: VariantRecord) -> str | None:
-    """Why this variant may not be signed, or None: smoke and gate must have passed on its digest."""
-    # Imported here: push (promote's module) imports this module for require_signed only.
-    from imagebuild.checks.gate import release_refusal
-
-    if variant.status != "built" or not variant.digest or not variant.image:
-        return f"{variant.id}: not built (status {variant.status})"
-    return require_smoke_passed(variant) or release_refusal(variant.id, variant.digest, variant.stages)
-
-
-def require_signed(variant: VariantRecord) -> str | None:
-    """The gate for push: None when the variant was signed (stages.sign passed) for its very digest, else why not.
-
-    Smoke and gate are checked again too: a report edited after signing cannot slip past them.
-    The report can still lie, so push also verifies the signature in the registry before copying.
-    """
-    why = refusal(variant)
-    if why:
-        return why
-    record = variant.stages.get("sign")
-    sign = record if isinstance(record, SignStage) else None
-    if sign is None:
-        return f"{variant.id}: not signed (run `imagebuild sign` first)"
-    if sign.status != StageStatus.PASSED:
-        return f"{variant.id}: signing {sign.status}: {sign.reason or 'no reason recorded'}"
-    if sign.digest != variant.digest:
-        return (f"{variant.id}: signed {sign.digest}, but the variant is now {variant.digest} "
-                "(rebuilt since; sign it again)")
-    return None
-
-
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -602,7 +572,7 @@ class SignRun:
         """Check everything first (bad input, an unreachable registry: nothing written), then sign one by one."""
         prepared: dict[str, dict[str, dict[str, Any]] | SignError] = {}
         for variant in variants:
-            if refusal(variant) is None:
+            if variant.refusal(*SIGN_NEEDS) is None:
                 try:
                     prepared[variant.id] = build_predicates(self.workdir, variant)  # InputError: exit 2
                 except SignError as exc:  # a record about another digest: this variant fails, the others go on
@@ -637,7 +607,7 @@ class SignRun:
             predicates: dict[str, dict[str, Any]] | SignError | None = None) -> SignOutcome:
         """Refuse, skip, or sign and attest one variant; `predicates` as run() prepared them (else built here)."""
         image = variant.image or ""
-        why = refusal(variant)
+        why = variant.refusal(*SIGN_NEEDS)
         if why:
             record = self._base(variant, StageStatus.REFUSED, reason=why)
             self._record(variant, record)
@@ -668,7 +638,7 @@ class SignRun:
 
     def already_signed(self, earlier: SignStage, variant: VariantRecord, client: Registry) -> bool:
         """Passed before for this digest and this key, and both the signature and the attestations are still there."""
-        if earlier.status != StageStatus.PASSED or earlier.digest != variant.digest:
+        if earlier.refusal(variant.digest) is not None:
             return False
         if earlier.key != self.options.key_reference or earlier.keyless != (self.options.keyless is not None):
             return False

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from imagebuild.checks.smoke import require_smoke_passed
 from imagebuild.checks.smoke_run import host_has_gpu
+from imagebuild.core.report import SmokeStage, VariantRecord
 
 from .conftest import EXAMPLE, STAGING, Run, copy_matrix, imagebuild, unique
 
@@ -157,7 +157,7 @@ def test_results_are_recorded_in_the_report_and_the_gate_lets_them_through(smoke
         junit = Path(stage["junit"])
         assert junit == smoked.report_path.parent / "smoke" / variant_id / "results" / "junit.xml"
         assert junit.is_file()
-        assert require_smoke_passed(variant) is None
+        assert VariantRecord.from_dict(variant).refusal(SmokeStage) is None
     assert json.loads(smoked.report_path.read_text())["schema"] == "imagebuild.build-report/v1"
     assert not list(smoked.report_path.parent.glob("*.tmp"))
 
@@ -260,11 +260,13 @@ def test_a_matrix_that_says_cudnn_8_9_fails_naming_both_versions(built_example, 
     assert failed == {"suite.test_abi::test_paddle_was_built_for_the_matrix_cudnn",
                       "suite.test_abi::test_cudnn_library_is_the_matrix_cudnn",
                       "suite.test_abi::test_labels_match_the_matrix"}  # the label says 8.6 as well
-    # Sign and push ask the gate, which refuses this variant and says why.
-    reason = require_smoke_passed(variants[GPU_VARIANT])
-    assert reason is not None and "smoke tests failed" in reason and "cuDNN" in reason
+    # Sign and push ask the smoke record, which refuses this variant and says why.
+    reason = VariantRecord.from_dict(variants[GPU_VARIANT]).refusal(SmokeStage)
+    assert reason is not None and reason.startswith(f"{GPU_VARIANT}: smoke tests failed: 3 test(s) failed, first: ")
+    assert "cuDNN" in reason
     assert "smoke" not in variants[CPU_VARIANT]["stages"]  # --only: the other variant is untouched
-    assert "no smoke test result" in require_smoke_passed(variants[CPU_VARIANT])
+    assert VariantRecord.from_dict(variants[CPU_VARIANT]).refusal(SmokeStage) == (
+        f"{CPU_VARIANT}: no smoke test result (run `imagebuild test` first)")
 
 
 def test_an_image_running_as_root_fails(engine, example_images, harness, tmp_path):
