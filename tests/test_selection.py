@@ -17,7 +17,7 @@ import pytest
 from imagebuild.build.plan import build_plan, plan_record
 from imagebuild.build.scheduler import planned_report
 from imagebuild.checks.gate_run import run_gate
-from imagebuild.checks.smoke_run import run_report
+from imagebuild.checks.smoke_run import RunOptions, run_report
 from imagebuild.config.matrix import load_matrix
 from imagebuild.config.selection import AXES, Selection
 from imagebuild.core.report import BuildReport, VariantRecord
@@ -140,7 +140,10 @@ EXAMPLE_SELECTORS = [("cudnn=8.6",), ("cuda=cpu",), ("device=gpu",), ("os=debian
 
 
 class NoContainers:
-    """The smoke runner `test` makes, for a report of which nothing was built: it is never asked to run one."""
+    """The smoke runner `test` makes, for a report of which nothing was built: it is asked which tiers it
+    would run (the records say so), never to run or remove a container."""
+
+    options = RunOptions()
 
     def __getattr__(self, name: str):
         raise AssertionError(f"the smoke runner was asked for {name}: nothing was built")
@@ -164,7 +167,7 @@ def test_every_command_selects_the_same_variants_and_records_only_those(only, ex
     assert [image["variant"] for image in gated.record["images"]] == expected
     tested = run_report(report_path, None, selection, NoContainers)
     assert [r.variant for r in tested] == expected
-    assert {(r.status, r.reason) for r in tested} == {("error", "not built (build status: pending)")}
+    assert {(r.record.status, r.record.reason) for r in tested} == {("error", "not built (build status: pending)")}
     recorded = [v.id for v in BuildReport.read(report_path).variants if {"gate", "smoke"} <= set(v.stages)]
     assert recorded == expected  # and only those got results
 

@@ -26,21 +26,32 @@ STAGING = "127.0.0.1:5000"
 REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
-# The session fixtures that build, scan and sign the example: a test file that uses one runs with the
-# others that do, so the example is built once (scripts/test.sh runs the suite with pytest-xdist).
-EXAMPLE_FIXTURES = frozenset({"built_example", "scanned_example", "signed_example"})
+# How scripts/test.sh spreads the e2e tests over pytest-xdist workers: three groups, each in file order
+# on one worker. A file that uses the scanned or signed example, or runs the whole pipeline on the
+# example's own images (which signs and pushes them too), goes with the others that do, so those
+# images are signed by one process at a time; a file that only needs the example built goes in a
+# second group (a build that finds every layer in the registry only tags); the rest in a third.
+SIGNED_EXAMPLE = frozenset({"scanned_example", "signed_example"})
+BUILT_EXAMPLE = frozenset({"built_example"})
+WHOLE_PIPELINE = frozenset({"test_example_job.py", "test_release.py"})
+
+
+def _group(fixtures: set[str], filename: str) -> str:
+    if fixtures & SIGNED_EXAMPLE or filename in WHOLE_PIPELINE:
+        return "e2e-signed-example"
+    return "e2e-built-example" if fixtures & BUILT_EXAMPLE else "e2e-standalone"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(items):
     e2e = [item for item in items if "tests/e2e/" in str(item.fspath)]
-    with_example = {str(item.fspath) for item in e2e if EXAMPLE_FIXTURES.intersection(item.fixturenames)}
+    used: dict[str, set[str]] = {}
+    for item in e2e:
+        used.setdefault(str(item.fspath), set()).update(item.fixturenames)
     for item in e2e:
         item.add_marker(pytest.mark.e2e)
-        # Each group runs in file order on one worker: the tests in a file may build on one another's
-        # registry state, and two groups share no session fixture that is slow to make.
-        group = "e2e-example" if str(item.fspath) in with_example else "e2e-standalone"
-        item.add_marker(pytest.mark.xdist_group(group))
+        # A whole file in one group: its tests may build on one another's registry state.
+        item.add_marker(pytest.mark.xdist_group(_group(used[str(item.fspath)], Path(str(item.fspath)).name)))
 
 
 @pytest.fixture(scope="session")
