@@ -357,7 +357,10 @@ def test_an_image_that_runs_past_the_timeout_is_killed(engine, example_images, e
     assert run.returncode == 1, run.stdout + run.stderr
     assert "timed out after 10 s; the container was killed" in run.stdout
     assert time.monotonic() - started < 120
-    leftover = engine.containers.list(all=True, filters={"label": "io.imagebuild.smoke"})
+    # This run's containers are the ones with its --out folder mounted (other smoke runs may be going on).
+    ours = str(tmp_path / "out")
+    leftover = [c for c in engine.containers.list(all=True, filters={"label": "io.imagebuild.smoke"})
+                if any((m.get("Source") or "").startswith(ours) for m in c.attrs.get("Mounts") or [])]
     assert leftover == [], [c.name for c in leftover]
 
 
