@@ -36,11 +36,14 @@ class BadName(ImagebuildError, ValueError):
 
 
 def escaped(value: object, limit: int = _ESCAPED_LIMIT) -> str:
-    """The value quoted with every control or non-ASCII character escaped, cut to a readable length."""
-    if not isinstance(value, str):  # a number, list or null where text belonged: as JSON-ish Python shows it
-        shown = ascii(value)
-        return shown[:limit] + ("..." if len(shown) > limit else "")
-    return ascii(value[:limit]) + ("..." if len(value) > limit else "")
+    """The value quoted with every control or non-ASCII character escaped, at most `limit` characters
+    of it (an escape takes up to 10, so the cut is made after escaping) and "..." when cut."""
+    # A number, list or null where text belonged is shown as Python's ascii() shows it.
+    cut = isinstance(value, str) and len(value) > limit
+    shown = ascii(value[:limit] if isinstance(value, str) else value)
+    if len(shown) > limit:
+        shown, cut = shown[:limit], True
+    return shown + ("..." if cut else "")
 
 
 def is_digest(value: object) -> bool:
