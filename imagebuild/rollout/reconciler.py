@@ -559,8 +559,9 @@ class Reconciler:
         wave = self.config.wave(step.wave)
         state = self.record["waves"][step.wave]
         state["state"] = "gating"
-        if state.get("moved_at") is None:
-            state["moved_at"] = self.timing.clock()
+        moved_at = state["moved_at"]
+        if moved_at is None:
+            moved_at = state["moved_at"] = self.timing.clock()
         # Each gate per region of the wave; approval is wave-wide, asked once.
         specs: list[tuple[GateSpec, Region]] = [
             (spec, self.config.region(name)) for spec in wave.gates
@@ -577,7 +578,7 @@ class Reconciler:
             for spec, region in specs:
                 ctx = gates.GateContext(wave=step.wave, region=region, image=region.image(self.digest),
                                         digest=self.digest, channels=tuple(self.record["channels"]),
-                                        moved_at=float(state["moved_at"] or 0.0), approvals=approvals, trust=self.trust,
+                                        moved_at=float(moved_at), approvals=approvals, trust=self.trust,
                                         now=self.timing.clock(), rollout_id=self.record["id"],
                                         workdir=self.journal.local_dir / self.record["id"])
                 results.append(gates.evaluate(spec, ctx))
