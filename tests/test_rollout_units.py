@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from imagebuild.cli.rollout_command import _runtime
-from imagebuild.config.release_file import TAG_PATTERN
+from imagebuild.oci.names import TAG
 from imagebuild.rollout.reconciler import Runtime, Timing
 from imagebuild.rollout.state import short, state_tag, who
 
@@ -15,7 +15,7 @@ from imagebuild.rollout.state import short, state_tag, who
 def test_state_tags_stay_valid_tags_however_long_the_channel():
     assert state_tag("lease", "stable") == "lease-stable"
     long_a, long_b = state_tag("channel", "a" * 128), state_tag("channel", "a" * 127 + "b")
-    assert TAG_PATTERN.fullmatch(long_a) and TAG_PATTERN.fullmatch(long_b)
+    assert TAG.fullmatch(long_a) and TAG.fullmatch(long_b)
     assert long_a != long_b  # shortened with the name's hash: distinct names keep distinct tags
 
 

@@ -17,7 +17,6 @@ from imagebuild.oci import names
 
 SCHEMA = 1
 # OCI distribution-spec tag grammar.
-TAG_PATTERN = names.TAG
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
@@ -249,7 +248,7 @@ def _channels(r: _ReleaseReader, value: Any) -> tuple[str, ...]:
     channels: list[str] = []
     for index, item in enumerate(items):
         at: tuple[str | int, ...] = ("channels", index)
-        tag = r.pattern(item, at, TAG_PATTERN, "a valid tag (letters, digits, _ . -; at most 128; no leading . or -)")
+        tag = r.pattern(item, at, names.TAG, "a valid tag (letters, digits, _ . -; at most 128; no leading . or -)")
         if tag in channels:
             raise r.error(at, f"channel '{tag}' is listed twice")
         # A channel is never a cosign tag (sha256-<hex>.sig/.att) nor a state document's tag.

@@ -16,9 +16,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from imagebuild.config.release_file import TAG_PATTERN, Region, ReleaseConfig
+from imagebuild.config.release_file import Region, ReleaseConfig
 from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.source import safe_text
+from imagebuild.oci import names
 from imagebuild.oci.client import OCI_MANIFEST, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.retry import RetryPolicy
 from imagebuild.rollout.plan import DIGEST_PATTERN
@@ -97,7 +98,7 @@ class StateStore:
         """The document under `tag` (None when the tag is absent), read as untrusted input: its one
         layer's descriptor is checked (digest grammar, size, media type) before the digest goes into a
         URL, and the blob's sha256 and length must match it before it is parsed. Else StateRefused."""
-        if not TAG_PATTERN.fullmatch(tag):
+        if not names.TAG.fullmatch(tag):
             raise StateRefused(f"state repository: '{safe_text(tag, 100)}' is not a tag")
         found = self.registry.find_manifest(self.repository, tag)
         if found is None:
