@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Builds the tools only the test command needs, each from the Go module proxy, pinned in
+# scripts/versions.env and cached by version under $TOOLS_DIR/bin (a stamp per tool):
+#   policy-tester   sigstore policy-controller's cmd/tester (evaluates a ClusterImagePolicy)
+#   kube-apiserver  k8s.io/kubernetes' API server, and kubectl beside it
+#   etcd            go.etcd.io/etcd/server/v3 through a small wrapper module
+#
+# Usage: scripts/build-test-tools.sh            build what is missing, in the foreground; wait
+#                                               for a build another process is running
+#        scripts/build-test-tools.sh --detach   start that in the background and return at once
+#                                               (bootstrap does this, so the main job never waits
+#                                               for these builds)
+#
+# One build at a time (flock on $RUN_DIR/test-tools.lock): a second caller waits for the first
+# and then finds everything present. Builds run at the lowest CPU and I/O priority, so that a
+# main job beside them keeps the machine's cores. Each binary is written beside its final name
+# and moved into place whole, then stamped: an interrupted build leaves nothing that looks done.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=versions.env
+source "$SCRIPT_DIR/versions.env"
+export PATH="$TOOLS_DIR/bin:$PATH"
+STARTED_AT=$SECONDS
+
+log() { printf '[test-tools] %4ss %s\n' "$((SECONDS - STARTED_AT))" "$*"; }
+die() { printf '[test-tools] ERROR: %s\n' "$*" >&2; exit 1; }
+
+mkdir -p "$TOOLS_DIR/bin" "$TOOLS_DIR/src" "$STATE_DIR" "$LOG_DIR" "$RUN_DIR"
+LOCK="$RUN_DIR/test-tools.lock"
+DETACHED_LOG="$LOG_DIR/test-tools.log"
+
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+find_go() {
+    local candidate ver
+    for candidate in "$GO_PREFERRED" "$(command -v go || true)"; do
+        [ -n "$candidate" ] && [ -x "$candidate" ] || continue
+        ver="$("$candidate" env GOVERSION 2>/dev/null || true)"
+        if [ -n "$ver" ] && version_ge "${ver#go}" "$GO_MIN_VERSION"; then
+            GO="$candidate"; return 0
+        fi
+    done
+    die "no Go >= $GO_MIN_VERSION found (see scripts/bootstrap.sh)"
+}
+
+# present NAME WANT: the binary is there and was stamped by a finished build of WANT.
+present() {
+    [ -x "$TOOLS_DIR/bin/$1" ] && [ "$(cat "$STATE_DIR/$1.stamp" 2>/dev/null)" = "$2" ]
+}
+
+install_built() {  # NAME WANT: moves NAME.partial into place, then stamps it
+    mv -f "$TOOLS_DIR/bin/$1.partial" "$TOOLS_DIR/bin/$1"
+    printf '%s\n' "$2" >"$STATE_DIR/$1.stamp"
+}
+
+# module_tree MODULE@VERSION NAME: a writable copy of that module's source (the module cache is
+# read-only), printed as its path.
+module_tree() {
+    local want="$1" name="$2" dir src
+    dir="$(cd / && "$GO" mod download -json "$want" | sed -n 's/^[[:space:]]*"Dir": *"\([^"]*\)".*/\1/p')"
+    [ -n "$dir" ] && [ -d "$dir" ] || die "go mod download $want failed"
+    src="$TOOLS_DIR/src/$name"
+    rm -rf "$src"
+    cp -r "$dir" "$src"
+    chmod -R u+w "$src"
+    printf '%s\n' "$src"
+}
+
+GOBUILD=(-trimpath -ldflags=-s\ -w)
+
+# policy-controller's cmd/tester: its go.mod has replace directives, so `go install` refuses it.
+build_policy_tester() {
+    local want="$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" src started=$SECONDS
+    present policy-tester "$want" && { log "policy-tester $POLICY_CONTROLLER_VERSION: present"; return; }
+    log "policy-tester: go build $want/cmd/tester (about 11 min on 2 cores)"
+    src="$(module_tree "$want" "policy-controller-$POLICY_CONTROLLER_VERSION")"
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+        -o "$TOOLS_DIR/bin/policy-tester.partial" ./cmd/tester) || die "building policy-controller's tester failed"
+    install_built policy-tester "$want"
+    rm -rf "$src"
+    log "policy-tester: built in $((SECONDS - started))s"
+}
+
+# kube-apiserver and kubectl from k8s.io/kubernetes. Its go.mod replaces the k8s.io/* staging
+# modules with ./staging/..., which the module zip leaves out: point each replace at the
+# published module of the same minor (v0.X.Y for v1.X.Y), drop vendor/ and go.work.
+build_kubernetes() {
+    local want="$KUBERNETES_MODULE@$KUBERNETES_VERSION" src started=$SECONDS staging
+    if present kube-apiserver "$want" && present kubectl "$want"; then
+        log "kube-apiserver, kubectl $KUBERNETES_VERSION: present"; return
+    fi
+    staging="v0.${KUBERNETES_VERSION#v1.}"
+    log "kubernetes: go build $want ./cmd/kube-apiserver ./cmd/kubectl (about 15 min on 2 cores)"
+    src="$(module_tree "$want" "kubernetes-$KUBERNETES_VERSION")"
+    rm -rf "$src/vendor" "$src"/go.work*
+    # => ./staging/src/k8s.io/api   becomes   => k8s.io/api v0.34.2
+    sed -i -E "s#=> \./staging/src/(k8s\.io/[A-Za-z0-9._/-]+)#=> \1 $staging#" "$src/go.mod"
+    sed -i -E "s#^(\s+k8s\.io/[A-Za-z0-9._/-]+) v0\.0\.0\$#\1 $staging#" "$src/go.mod"
+    grep -q '\./staging' "$src/go.mod" && die "k8s.io/kubernetes' go.mod still points into ./staging"
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+        -o "$TOOLS_DIR/bin/kube-apiserver.partial" ./cmd/kube-apiserver) || die "building kube-apiserver failed"
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+        -o "$TOOLS_DIR/bin/kubectl.partial" ./cmd/kubectl) || die "building kubectl failed"
+    install_built kube-apiserver "$want"
+    install_built kubectl "$want"
+    rm -rf "$src"
+    log "kubernetes: built in $((SECONDS - started))s"
+}
+
+# etcd: go.etcd.io/etcd/server/v3's own go.mod has replaces (go install refuses it); a wrapper
+# module whose main calls etcdmain.Main resolves the published sibling modules instead.
+build_etcd() {
+    local want="$ETCD_MODULE@$ETCD_VERSION" src="$TOOLS_DIR/src/etcd-wrapper" started=$SECONDS
+    present etcd "$want" && { log "etcd $ETCD_VERSION: present"; return; }
+    log "etcd: go build $want through a wrapper module (about 3 min on 2 cores)"
+    rm -rf "$src"; mkdir -p "$src"
+    cat >"$src/go.mod" <<EOF
+module imagebuild.local/etcd
+
+go $GO_MIN_VERSION
+EOF
+    cat >"$src/main.go" <<'EOF'
+// The etcd server's own entry point, built outside its module.
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+EOF
+    (cd "$src" && "$GO" get "$want" && "$GO" mod tidy \
+        && "$GO" build "${GOBUILD[@]}" -o "$TOOLS_DIR/bin/etcd.partial" .) || die "building etcd failed"
+    install_built etcd "$want"
+    rm -rf "$src"
+    log "etcd: built in $((SECONDS - started))s"
+}
+
+build_all() {
+    exec 9>"$LOCK"
+    if ! flock -n 9; then
+        log "another build of the test tools is running; waiting for it (log: $DETACHED_LOG)"
+        flock 9
+    fi
+    find_go
+    build_etcd
+    build_policy_tester
+    build_kubernetes
+    log "test tools ready: policy-tester, etcd, kube-apiserver, kubectl"
+}
+
+if [ "${1:-}" = "--detach" ]; then
+    # setsid: the build outlives the bootstrap that started it; nice/ionice: it takes only the
+    # CPU and disk the main job leaves.
+    setsid nice -n 19 ionice -c 3 "$0" </dev/null >>"$DETACHED_LOG" 2>&1 &
+    log "building in the background (pid $!, log $DETACHED_LOG)"
+    exit 0
+fi
+build_all
