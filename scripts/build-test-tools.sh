@@ -10,6 +10,7 @@
 #        scripts/build-test-tools.sh --detach   start that in the background and return at once
 #                                               (bootstrap does this, so the main job never waits
 #                                               for these builds)
+#        scripts/build-test-tools.sh --check    exit 0 when every tool is present
 #
 # One build at a time (flock on $RUN_DIR/test-tools.lock): a second caller waits for the first
 # and then finds everything present. Builds run at the lowest CPU and I/O priority, so that a
@@ -161,7 +162,19 @@ build_all() {
     log "test tools ready: policy-tester, etcd, kube-apiserver, kubectl"
 }
 
+all_present() {
+    present etcd "$ETCD_MODULE@$ETCD_VERSION" \
+        && present policy-tester "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" \
+        && present kube-apiserver "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
+        && present kubectl "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version"
+}
+
+if [ "${1:-}" = "--check" ]; then
+    all_present
+    exit
+fi
 if [ "${1:-}" = "--detach" ]; then
+    all_present && { log "present: policy-tester, etcd, kube-apiserver, kubectl"; exit 0; }
     # setsid: the build outlives the bootstrap that started it; nice/ionice: it takes only the
     # CPU and disk the main job leaves.
     setsid nice -n 19 ionice -c 3 "$0" </dev/null >>"$DETACHED_LOG" 2>&1 &
