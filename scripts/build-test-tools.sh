@@ -149,6 +149,20 @@ EOF
     log "etcd: built in $((SECONDS - started))s"
 }
 
+# Kyverno's CLI (cmd/cli/kubectl-kyverno): replace directives again, so inside its module tree. Opt-in
+# (IMAGEBUILD_WITH_KYVERNO=1): its build is about twice the tester's, more than CI's budget allows.
+build_kyverno() {
+    local want="$KYVERNO_MODULE@$KYVERNO_VERSION" src started=$SECONDS
+    present kyverno "$want" && { log "kyverno $KYVERNO_VERSION: present"; return; }
+    log "kyverno: go build $want/cmd/cli/kubectl-kyverno"
+    src="$(module_tree "$want" "kyverno-$KYVERNO_VERSION")"
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+        -o "$TOOLS_DIR/bin/kyverno.partial" ./cmd/cli/kubectl-kyverno) || die "building kyverno's CLI failed"
+    install_built kyverno "$want"
+    rm -rf "$src"
+    log "kyverno: built in $((SECONDS - started))s"
+}
+
 build_all() {
     exec 9>"$LOCK"
     if ! flock -n 9; then
@@ -159,6 +173,7 @@ build_all() {
     build_etcd
     build_policy_tester
     build_kubernetes
+    if [ "${IMAGEBUILD_WITH_KYVERNO:-0}" = 1 ]; then build_kyverno; fi
     log "test tools ready: policy-tester, etcd, kube-apiserver, kubectl"
 }
 
@@ -166,7 +181,8 @@ all_present() {
     present etcd "$ETCD_MODULE@$ETCD_VERSION" \
         && present policy-tester "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" \
         && present kube-apiserver "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
-        && present kubectl "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version"
+        && present kubectl "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
+        && { [ "${IMAGEBUILD_WITH_KYVERNO:-0}" != 1 ] || present kyverno "$KYVERNO_MODULE@$KYVERNO_VERSION"; }
 }
 
 if [ "${1:-}" = "--check" ]; then
