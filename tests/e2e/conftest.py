@@ -26,17 +26,22 @@ STAGING = "127.0.0.1:5000"
 REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south": "127.0.0.1:5003"}
 
 
-# How scripts/test.sh spreads the e2e tests over pytest-xdist workers: three groups, each in file order
+# How scripts/test.sh spreads the e2e tests over pytest-xdist workers: four groups, each in file order
 # on one worker. A file that uses the scanned or signed example, or runs the whole pipeline on the
 # example's own images (which signs and pushes them too), goes with the others that do, so those
 # images are signed by one process at a time; a file that only needs the example built goes in a
 # second group (a build that finds every layer in the registry only tags); the rest in a third.
 SIGNED_EXAMPLE = frozenset({"scanned_example", "signed_example"})
+# A file that talks to the real API server goes in a fourth group, so that one etcd and one
+# kube-apiserver (a few hundred MB) serve them all.
+KUBE = frozenset({"kube_cluster"})
 BUILT_EXAMPLE = frozenset({"built_example"})
 WHOLE_PIPELINE = frozenset({"test_example_job.py", "test_release.py"})
 
 
 def _group(fixtures: set[str], filename: str) -> str:
+    if fixtures & KUBE:
+        return "e2e-kube"
     if fixtures & SIGNED_EXAMPLE or filename in WHOLE_PIPELINE:
         return "e2e-signed-example"
     return "e2e-built-example" if fixtures & BUILT_EXAMPLE else "e2e-standalone"
@@ -378,3 +383,12 @@ def rollout_services(rollout_services_session):
     """
     rollout_services_session.reset()
     return rollout_services_session
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory):
+    """A real kube-apiserver with its etcd on loopback (tests/e2e/kubeapi.py), for the whole session."""
+    from .kubeapi import running_cluster
+
+    with running_cluster(tmp_path_factory.mktemp("kube")) as cluster:
+        yield cluster

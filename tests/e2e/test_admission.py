@@ -8,110 +8,37 @@ and the client trusts only that CA.
 from __future__ import annotations
 
 import base64
-import datetime
-import ipaddress
 import json
 import signal
 import socket
 import ssl
-import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .conftest import REPO, STAGING, require_registry
-from .rollout_harness import free_port
-from .tools import KEYS, Cosign, KeyPair, crane, push_tiny_image
-
-OUTSIDE = "127.0.0.1:5001"  # a real registry the test policy does not cover
-PREFIX = f"{STAGING}/admission-e2e"
-
-
-UNREACHABLE = f"127.0.0.1:{free_port()}"
-
-
-# --- TLS: a CA of the test's own and a certificate for 127.0.0.1 ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tls:
-    ca: Path
-    cert: Path
-    key: Path
-
-
-def _certificate(subject: str, key, issuer_name: str, issuer_key, *, ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        builder = (builder
-                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                                  critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
-    else:
-        builder = builder.add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=False,
-                          encipher_only=False, decipher_only=False), critical=True)
-    return builder.sign(issuer_key, hashes.SHA256())
+from .admission_harness import (
+    OUTSIDE,
+    UNREACHABLE,
+    Images,
+    Registry,
+    Webhook,
+    make_images,
+    start_webhook_process,
+    trust_file,
+    unique_repository,
+)
+from .certs import Authority, Tls
+from .conftest import STAGING, require_registry
+from .tools import KEYS, crane
 
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> Tls:
-    directory = tmp_path_factory.mktemp("admission-tls")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = _certificate("imagebuild test CA", ca_key, "imagebuild test CA", ca_key, ca=True)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = _certificate("imagebuild-admission", server_key, "imagebuild test CA", ca_key, ca=False)
-    paths = Tls(directory / "ca.pem", directory / "tls.crt", directory / "tls.key")
-    paths.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    paths.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    paths.key.write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()))
-    paths.key.chmod(0o600)
-    return paths
-
-
-# --- images: tiny ones, pushed with crane and signed with cosign ----------------------------------------------
-
-
-@dataclass
-class Registry:
-    """Pushes small distinct images and signs them, as the pipeline would, with the real tools."""
-
-    workdir: Path
-    cosign: Cosign
-    key: KeyPair  # the trusted key: bootstrap's
-
-    def push(self, repository: str, tag: str = "t") -> str:
-        """A one-file image of its own at repository:tag; returns repository@digest."""
-        return f"{repository}@{push_tiny_image(self.workdir, f'{repository}:{tag}')}"
-
-    def sign(self, reference: str, key: KeyPair | None = None) -> None:
-        self.cosign.sign(reference, key or self.key)
-
-    def tag(self, by_digest: str, tag: str) -> None:
-        """Point repository:tag at this digest (a tag moved after signing)."""
-        crane("tag", by_digest, tag)
-
-
-def unique_repository(registry: str = STAGING) -> str:
-    return f"{registry}/admission-e2e/r{uuid.uuid4().hex[:10]}"
+    """A CA of the test's own and a certificate for 127.0.0.1; the client trusts only that CA."""
+    return Authority.new().issue(tmp_path_factory.mktemp("admission-tls"), "imagebuild-admission",
+                                 ("localhost", "127.0.0.1"))
 
 
 @pytest.fixture(scope="module")
@@ -120,89 +47,9 @@ def registry(staging_registry, cosign_cli, our_key, tmp_path_factory) -> Registr
     return Registry(tmp_path_factory.mktemp("admission-images"), cosign_cli, our_key)
 
 
-@dataclass(frozen=True)
-class Images:
-    signed: str  # by digest, signed with the trusted key
-    signed_too: str  # another one
-    unsigned: str  # by digest, never signed
-    other_key: str  # by digest, signed with a key the policy does not list
-    moved_tag: str  # a tag that was moved from a signed digest to an unsigned one
-    outside: str  # signed with the trusted key, in a registry the policy does not cover
-
-
 @pytest.fixture(scope="module")
 def images(registry, other_key) -> Images:
-    signed = registry.push(unique_repository())
-    registry.sign(signed)
-    signed_too = registry.push(unique_repository())
-    registry.sign(signed_too)
-    unsigned = registry.push(unique_repository())
-    foreign = registry.push(unique_repository())
-    registry.sign(foreign, other_key)
-    moving = unique_repository()
-    first = registry.push(moving, "release")
-    registry.sign(first)
-    registry.push(moving, "release")  # the same tag, now on a new digest nobody signed
-    outside = registry.push(unique_repository(OUTSIDE))
-    registry.sign(outside)
-    return Images(signed, signed_too, unsigned, foreign, f"{moving}:release", outside)
-
-
-# --- the webhook, for real -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Webhook:
-    process: subprocess.Popen
-    url: str
-    client: httpx.Client
-    log_path: Path
-
-    def review(self, document: dict, path: str = "/validate") -> dict:
-        reply = self.post(json.dumps(document).encode(), path=path)
-        assert reply.status_code == 200, reply.text
-        answer = reply.json()
-        assert (answer["apiVersion"], answer["kind"]) == ("admission.k8s.io/v1", "AdmissionReview")
-        assert answer["response"]["uid"] == document["request"]["uid"]
-        return answer["response"]
-
-    def post(self, body: bytes, path: str = "/validate", **kwargs) -> httpx.Response:
-        return self.client.post(f"{self.url}{path}", content=body,
-                                headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
-
-    def decisions(self) -> list[dict]:
-        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-        return [line for line in lines if line.get("event") == "decision"]
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.client.close()
-        return self.process.returncode
-
-
-def trust_file(directory: Path, *, mode: str = "enforce", failure_policy: str = "fail", ttl: int = 60,
-               quarantine: str | None = None, images: tuple[str, ...] = ()) -> Path:
-    """quarantine: the state repository (registry/repository) holding quarantine marks, read afresh each time."""
-    path = directory / f"trust-{uuid.uuid4().hex[:6]}.yaml"
-    globs = "".join(f'  - "{glob}"\n' for glob in (f"{PREFIX}/**", f"{UNREACHABLE}/admission-e2e/**", *images))
-    state = ""
-    if quarantine:
-        registry, repository = quarantine.split("/", 1)
-        state = f"quarantine: {{registry: '{registry}', repository: {repository}, cache_ttl_seconds: 0}}\n"
-    path.write_text(
-        f"mode: {mode}\n"
-        f"keys:\n  - name: imagebuild-local\n    path: {KEYS / 'cosign.pub'}\n"
-        f"images:\n{globs}"
-        f"require:\n  attestations: []\n"
-        f"failure_policy: {failure_policy}\n"
-        f"cache_ttl_seconds: {ttl}\n" + state)
-    return path
+    return make_images(registry, other_key)
 
 
 @pytest.fixture(scope="module")
@@ -212,27 +59,9 @@ def start_webhook(tls, tmp_path_factory):
 
     def start(*flags: str, **config) -> Webhook:
         """The webhook as `imagebuild admission serve` runs it; flags: more of its options."""
-        port = free_port()
-        log_path = directory / f"webhook-{port}.log"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "imagebuild", "admission", "serve", "--config", str(trust_file(directory, **config)),
-             "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--host", "127.0.0.1", "--port", str(port),
-             *flags],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
-        webhook = Webhook(process, f"https://127.0.0.1:{port}", httpx.Client(verify=ssl.create_default_context(cafile=str(tls.ca)), timeout=30),
-                          log_path)
+        webhook = start_webhook_process(directory, tls, trust_file(directory, **config), *flags)
         started.append(webhook)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"the webhook exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if webhook.client.get(f"{webhook.url}/readyz").status_code == 200:
-                    return webhook
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"the webhook did not become ready in 30 s: {log_path.read_text()[-2000:]}")
+        return webhook
 
     yield start
     for webhook in started:
