@@ -208,6 +208,6 @@ def _transport_reason(exc: httpx.TransportError) -> str:
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
-            return f"TLS: {safe_text(seen.verify_message or 'certificate verify failed', 160)}"
+            return f"TLS: certificate verify failed: {safe_text(seen.verify_message or seen.reason, 160)}"
         seen = seen.__cause__ or seen.__context__
     return f"{exc.__class__.__name__}: {safe_text(str(exc), 200)}" if str(exc) else exc.__class__.__name__
