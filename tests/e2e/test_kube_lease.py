@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -235,6 +236,30 @@ def test_two_rollout_starts_at_once_one_runs_and_the_other_exits_4_naming_it(tmp
         for process in starts:
             if process.poll() is None:
                 process.kill()
+
+
+def test_a_killed_rollouts_lease_blocks_others_and_its_resume_takes_it_over(tmp_path, registry, kube_cluster):
+    namespace = kube_cluster.namespace(f"lease-{uuid.uuid4().hex[:8]}")
+    path = write_release(tmp_path, registry, kube_cluster.kubeconfig, namespace,
+                         waves="  - {name: canary, regions: [eu-west]}\n")
+    release = Release(path, namespace, registry, load_release(path).state_repository.rsplit("/", 1)[0], kube_cluster)
+    state = ["--state-dir", str(tmp_path / "state")]
+
+    def cli(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+        argv = release.argv(*args, *state)
+        if kill_at:  # tests/e2e/rollout_cli.py SIGKILLs itself there
+            argv[3:3] = ["--kill-at", kill_at]
+        return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+
+    killed = cli("start", "--image", signed_image(tmp_path, release), "--channel", "stable", kill_at="recorded:0")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr  # SIGKILL: nothing let the Lease go
+    rollout_id = re.search(r"^rollout (\S+): ", killed.stderr, re.M).group(1)
+    other = cli("start", "--image", signed_image(tmp_path, release), "--channel", "stable")
+    assert other.returncode == ExitCode.LEASE_HELD, other.stderr
+    assert f"rollout {rollout_id} (user " in other.stderr
+    resumed = cli("resume", rollout_id)  # same rollout, same host, its process gone: taken over at once
+    assert resumed.returncode == 0, resumed.stderr
+    assert release.get() is None  # completed and released
 
 
 # --- compare-and-swap, expiry, take-over -------------------------------------------------------
