@@ -25,6 +25,7 @@ from imagebuild.cli import cli, common
 from imagebuild.core.errors import ExitCode, ImagebuildError, exit_code_of
 from imagebuild.core.runner import Cancelled, ToolMissing
 from imagebuild.core.source import InputError
+from imagebuild.kube.client import KubeConflict, KubeError
 from imagebuild.oci.auth import AuthDenied, CredentialError, RealmRefused
 from imagebuild.oci.client import RegistryAuthError, RegistryError, RegistryUnreachable
 from imagebuild.release.harbor import HarborAuthError, HarborError, HarborUnavailable
@@ -117,6 +118,8 @@ MEANS = {
     HarborUnavailable: ExitCode.ENVIRONMENT,
     HarborAuthError: ExitCode.ENVIRONMENT,
     reconciler._RegionDown: ExitCode.ENVIRONMENT,  # retried, then the rollout halts with 3
+    KubeError: ExitCode.ENVIRONMENT,  # the lease's cluster is unreachable or refuses: what RegistryError is
+    KubeConflict: ExitCode.ENVIRONMENT,  # a 409 the lease does not turn into LeaseHeld itself
     LeaseHeld: ExitCode.LEASE_HELD,
 }
 

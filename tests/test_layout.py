@@ -23,14 +23,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "imagebuild"
 ALLOWED: dict[str, frozenset[str]] = {
     "core": frozenset(),
     "oci": frozenset({"core"}),
+    "kube": frozenset({"core"}),  # the Kubernetes API client: retries are the caller's (an oci.retry transport)
     "config": frozenset({"core", "oci"}),
     "build": frozenset({"core", "oci", "config"}),
     "checks": frozenset({"core", "oci", "config", "build"}),
     "trust": frozenset({"core", "oci", "config", "checks"}),
     "release": frozenset({"core", "oci", "config", "build", "checks", "trust"}),
-    "rollout": frozenset({"core", "oci", "config", "checks", "trust"}),
+    "rollout": frozenset({"core", "oci", "config", "checks", "trust", "kube"}),
     "admission": frozenset({"core", "oci", "config", "trust", "rollout"}),
-    "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "admission"}),
+    "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "admission",
+                      "kube"}),
 }
 # Function-level imports: anywhere in cli/ (a command loads its stage when it runs, so that `imagebuild
 # --help` starts without docker, jinja2 or httpx), and below it only of the modules named here, which

@@ -10,6 +10,7 @@ from imagebuild.config.release_file import (
     ApprovalGate,
     CredentialRef,
     HttpGate,
+    LeaseCluster,
     PrometheusGate,
     SignatureGate,
     SmokeGate,
@@ -85,6 +86,16 @@ def test_a_valid_release_reads_into_the_model(tmp_path):
     assert [g.kind for g in canary.gates] == ["soak", "signature", "smoke", "prometheus", "http", "approval"]
 
 
+def test_a_lease_key_names_the_cluster_and_a_relative_kubeconfig_is_beside_the_release(tmp_path):
+    assert load_release(write(tmp_path, VALID)).lease_cluster is None  # the state repository's lease tag
+    config = load_release(write(tmp_path, VALID.replace("lease_ttl: 10m\n", "lease_ttl: 10m\nlease:\n"
+                                                        "  kubeconfig: kube/config\n  namespace: rollouts\n")))
+    assert config.lease_cluster == LeaseCluster(tmp_path / "kube" / "config", "rollouts", None)
+    config = load_release(write(tmp_path, VALID.replace(
+        "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: /etc/k, namespace: ns, context: prod-east}\n")))
+    assert config.lease_cluster == LeaseCluster(Path("/etc/k"), "ns", "prod-east")
+
+
 def test_durations_read_in_seconds():
     assert [parse_duration(t) for t in ("30s", "10m", "1h", "500ms", "0s")] == [30, 600, 3600, 0.5, 0]
     assert [parse_duration(t) for t in ("30", "1d", "-1s", "1.5s", "s", "")] == [None] * 6
@@ -137,6 +148,19 @@ BAD = [
      0, "expected true or false"),
     ("duplicate key", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease_ttl: 5m\n", 1, "lease_ttl: duplicate key"),
     ("python tag", "lease_ttl: 10m", "lease_ttl: !!python/object:os.system x", 0, "is not allowed"),
+    ("lease: unknown key", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: k, namespace: ns, contxt: c}\n", 1,
+     "lease.contxt: unknown key (did you mean 'context'?)"),
+    ("lease: no namespace", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: k}\n", 1,
+     "lease: missing required key 'namespace'"),
+    ("lease: bad namespace", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: k, namespace: Rollouts_1}\n", 1,
+     "lease.namespace: 'Rollouts_1' is not a namespace"),
+    ("lease: a token literal", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: k, namespace: n, token: t0k}\n",
+     1, "lease.token: the cluster's credentials are read from the kubeconfig; never give them here"),
+    ("lease: context with a space", "lease_ttl: 10m\n",
+     "lease_ttl: 10m\nlease:\n  kubeconfig: k\n  namespace: n\n  context: 'a b'\n", 4,
+     "lease.context: 'a b' is not a kubeconfig context name"),
+    ("lease: kubeconfig a list", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: [k], namespace: n}\n", 1,
+     "lease.kubeconfig: expected a string, got a list"),
 ]
 
 

@@ -18,6 +18,7 @@ from imagebuild.oci import names
 SCHEMA = 1
 # OCI distribution-spec tag grammar.
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes namespace (DNS-1123 label)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -31,6 +32,16 @@ class CredentialRef:
 
     docker_config: Path | None = None
     env: str | None = None
+
+
+@dataclass(frozen=True)
+class LeaseCluster:
+    """release.yaml `lease:`: the rollout lease is a coordination.k8s.io/v1 Lease in this cluster and namespace
+    (else a tag of the state repository). The kubeconfig is read when a rollout takes the lease."""
+
+    kubeconfig: Path
+    namespace: str
+    context: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class ReleaseConfig:
     regions: tuple[Region, ...]
     channels: tuple[str, ...]
     waves: tuple[Wave, ...]
+    lease_cluster: LeaseCluster | None = None  # None: the lease is a tag of the state repository
 
     def region(self, name: str) -> Region:
         for region in self.regions:
@@ -184,7 +196,8 @@ def _shown(value: Any) -> str:
 
 def parse_release(doc: Document, path: Path) -> ReleaseConfig:
     r = _ReleaseReader(doc)
-    top = r.mapping(doc.data, (), allowed=("schema", "trust", "state", "lease_ttl", "regions", "channels", "waves"),
+    top = r.mapping(doc.data, (), allowed=("schema", "trust", "state", "lease_ttl", "lease", "regions", "channels",
+                                          "waves"),
                     required=("schema", "trust", "state", "regions", "channels", "waves"))
     schema = r.integer(top["schema"], ("schema",))
     if schema != SCHEMA:
@@ -197,12 +210,36 @@ def parse_release(doc: Document, path: Path) -> ReleaseConfig:
     state_registry = r.pattern(state["registry"], ("state", "registry"), _REGISTRY, "a registry host[:port]")
     state_repository = r.pattern(state["repository"], ("state", "repository"), names.REPOSITORY, "a repository name")
     lease_ttl = r.duration(top["lease_ttl"], ("lease_ttl",), minimum=5.0) if "lease_ttl" in top else 600.0
+    lease_cluster = _lease_cluster(r, top["lease"], path) if "lease" in top else None
     regions = _regions(r, top["regions"])
     channels = _channels(r, top["channels"])
     waves = _waves(r, top["waves"], {region.name for region in regions})
     return ReleaseConfig(path=path, trust_path=trust_path, state_registry=state_registry,
                          state_repository=state_repository, lease_ttl_s=lease_ttl, regions=regions,
-                         channels=channels, waves=waves)
+                         channels=channels, waves=waves, lease_cluster=lease_cluster)
+
+
+def _lease_cluster(r: _ReleaseReader, value: Any, path: Path) -> LeaseCluster:
+    at: tuple[str | int, ...] = ("lease",)
+    _refuse_secret_values(r, value, at, "the cluster's credentials are read from the kubeconfig; never give them here")
+    data = r.mapping(value, at, allowed=("kubeconfig", "namespace", "context"), required=("kubeconfig", "namespace"))
+    kubeconfig = Path(r.string(data["kubeconfig"], at + ("kubeconfig",))).expanduser()
+    if not kubeconfig.is_absolute():
+        kubeconfig = path.parent / kubeconfig
+    namespace = r.pattern(data["namespace"], at + ("namespace",), _NAMESPACE,
+                          "a namespace (lower-case letters, digits, - inside; at most 63)")
+    context = r.string(data["context"], at + ("context",)) if "context" in data else None
+    if context is not None and (len(context) > 253 or any(char.isspace() for char in context)):
+        raise r.error(at + ("context",), f"'{context[:80]}' is not a kubeconfig context name")
+    return LeaseCluster(kubeconfig, namespace, context)
+
+
+def _refuse_secret_values(r: _ReleaseReader, value: Any, at: tuple[str | int, ...], advice: str) -> None:
+    if isinstance(value, dict):
+        for key in value:
+            if str(key).lower().replace("_", "").replace("-", "") in _SECRET_KEYS:
+                # Say nothing about the value: it may be a real secret.
+                raise r.error(at + (key,), f"{advice}; remove it and rotate it if it was real")
 
 
 def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
@@ -229,12 +266,8 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
 
 
 def _credentials(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> CredentialRef:
-    if isinstance(value, dict):
-        for key in value:
-            if str(key).lower().replace("_", "").replace("-", "") in _SECRET_KEYS:
-                # Say nothing about the value: it may be a real secret.
-                raise r.error(at + (key,), "credentials are given by reference only (docker_config: PATH or "
-                                           "env: VARIABLE), never as a value; remove it and rotate it if it was real")
+    _refuse_secret_values(r, value, at, "credentials are given by reference only (docker_config: PATH or "
+                                        "env: VARIABLE), never as a value")
     data = r.mapping(value, at, allowed=("docker_config", "env"))
     if len(data) != 1:
         raise r.error(at, "give exactly one of docker_config (a path) or env (a variable name)")
@@ -326,6 +359,6 @@ def _gates(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> tuple[Ga
     return tuple(gates)
 
 
-__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "PrometheusGate",
+__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "LeaseCluster", "PrometheusGate",
            "Region", "ReleaseConfig", "SignatureGate", "SmokeGate", "SoakGate", "Wave", "load_release",
            "parse_duration", "parse_release"]

@@ -27,7 +27,6 @@ import datetime as dt
 import json
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from imagebuild.core.source import safe_text
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
 from imagebuild.rollout import gates
+from imagebuild.rollout.lease import ChannelLease, open_lease
 from imagebuild.rollout.plan import (
     ROLLOUT_ID_PATTERN,
     RecordMismatch,
@@ -59,8 +59,6 @@ from imagebuild.rollout.plan import (
 )
 from imagebuild.rollout.quarantine import describe, find, refusal
 from imagebuild.rollout.state import (
-    FINISHED,
-    LEASE_TYPE,
     MARKER_TYPE,
     RECORD_TYPE,
     REGION_RETRIES,
@@ -71,6 +69,7 @@ from imagebuild.rollout.state import (
     StateStore,
     now_iso,
     open_store,
+    record_tag,
     region_registry,
     state_tag,
     who,
@@ -119,129 +118,12 @@ class _Halt(ImagebuildError):
 # --- the lease --------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass
-class Lease:
-    """One lease tag per channel; held by one rollout (and process) until it expires.
-
-    The registry offers no compare-and-swap, so acquiring is read, write ours, wait `settle_s`,
-    read back: of two writers racing, the later write wins and the earlier sees it on reading
-    back. See README `## Rollout` for what this does and does not guarantee.
-    """
-
-    store: StateStore
-    channels: tuple[str, ...]
-    rollout_id: str
-    ttl_s: float
-    settle_s: float = 2.0
-    sleep: Callable[[float], None] = time.sleep
-    clock: Callable[[], float] = time.time  # wall-clock seconds: expires_at is compared across processes
-    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
-    renewed_at: float = 0.0
-
-    @property
-    def tags(self) -> list[str]:
-        return [state_tag("lease", channel) for channel in sorted(self.channels)]
-
-    def _mine(self, now: float) -> dict[str, Any]:
-        return {"rollout": self.rollout_id, "nonce": self.nonce, "host": socket.gethostname(), "pid": os.getpid(),
-                "user": who()["user"], "acquired_at": now_iso(now), "expires_at": now + self.ttl_s}
-
-    def _read(self, tag: str) -> dict[str, Any] | None:
-        return self.store.read(tag, LEASE_TYPE)
-
-    def _blocking(self, held: dict[str, Any] | None, now: float) -> bool:
-        if not held or held.get("nonce") == self.nonce:
-            return False
-        # A lease is untrusted input too: one that cannot be read holds the channel (say so, do not crash).
-        expires, pid, rollout = held.get("expires_at"), held.get("pid"), held.get("rollout")
-        if not isinstance(expires, (int, float)) or isinstance(expires, bool):
-            return True
-        if expires <= now:
-            return False  # expired: its holder crashed or hung; recoverable by design
-        # The same rollout, left behind by a process of ours that is gone (killed): take it over.
-        if (rollout == self.rollout_id and held.get("host") == socket.gethostname()
-                and isinstance(pid, int) and pid > 0 and not _pid_alive(pid)):
-            return False
-        if not isinstance(rollout, str) or not ROLLOUT_ID_PATTERN.fullmatch(rollout) or rollout == self.rollout_id:
-            return True
-        # A rollout that finished (killed between recording its end and releasing the lease) holds nothing.
-        try:
-            record = self.store.read(record_tag(rollout), RECORD_TYPE)
-        except StateRefused:
-            return True
-        return not (record and record.get("status") in FINISHED)
-
-    @staticmethod
-    def describe(held: dict[str, Any], now: float) -> str:
-        expires = held.get("expires_at")
-        if not isinstance(expires, (int, float)) or isinstance(expires, bool):
-            return f"an unreadable lease (expires_at {safe_text(expires, 100)}) holds it; delete it if no rollout runs"
-        left = expires - now
-        names = {key: safe_text(held.get(key), 64) for key in ("rollout", "user", "host", "pid")}
-        return (f"rollout {names['rollout']} (user {names['user']} on {names['host']}, pid {names['pid']}) "
-                f"holds it for another {max(left, 0):.0f}s")
-
-    def acquire(self) -> None:
-        now = self.clock()
-        for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self._read(tag)
-            if self._blocking(held, now):
-                assert held is not None
-                raise LeaseHeld(f"channel '{channel}' is being rolled out: {self.describe(held, now)}")
-        mine = self._mine(now)
-        for tag in self.tags:
-            self.store.write(tag, mine, LEASE_TYPE)
-        self.sleep(self.settle_s)
-        for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self._read(tag)
-            if not held or held.get("nonce") != self.nonce:
-                self._release_mine()
-                other = self.describe(held, self.clock()) if held else "its lease vanished"
-                raise LeaseHeld(f"channel '{channel}': another rollout took the lease at the same time: {other}")
-        self.renewed_at = now
-
-    def renew(self, force: bool = False) -> None:
-        """Before every step: still ours? (else stop: another rollout overwrote it); rewritten when a third is used."""
-        now = self.clock()
-        for tag, channel in zip(self.tags, sorted(self.channels)):
-            held = self._read(tag)
-            if not held or held.get("nonce") != self.nonce:
-                other = self.describe(held, now) if held else "the lease is gone"
-                raise LeaseHeld(f"lost the lease of channel '{channel}': {other}")
-        if not force and now - self.renewed_at < self.ttl_s / 3:
-            return
-        mine = self._mine(now)
-        for tag in self.tags:
-            self.store.write(tag, mine, LEASE_TYPE)
-        self.renewed_at = now
-
-    def _release_mine(self) -> None:
-        for tag in self.tags:
-            held = self._read(tag)
-            if held and held.get("nonce") == self.nonce:
-                self.store.delete(tag)
-
-    def release(self) -> None:
-        try:
-            self._release_mine()
-        except (RegistryError, StateRefused):
-            pass  # it expires on its own
-
-
-def lease_for(config: ReleaseConfig, store: StateStore, record: RolloutRecord, timing: Timing | None = None) -> Lease:
+def lease_for(config: ReleaseConfig, store: StateStore, record: RolloutRecord,
+              timing: Timing | None = None) -> ChannelLease:
+    """The rollout's lease on its channels: release.yaml's Kubernetes Lease, else the state repository's tag."""
     timing = timing or Timing()
-    return Lease(store, tuple(dict.fromkeys(record["channels"])), record["id"], config.lease_ttl_s, timing.settle_s,
-                 timing.sleep, timing.lease_clock)
+    return open_lease(config, store, tuple(record["channels"]), record["id"], settle_s=timing.settle_s,
+                      sleep=timing.sleep, clock=timing.lease_clock)
 
 
 # --- the record ------------------------------------------------------------------------------
@@ -249,10 +131,6 @@ def lease_for(config: ReleaseConfig, store: StateStore, record: RolloutRecord, t
 
 def new_rollout_id() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dt%H%M%S") + "-" + secrets.token_hex(3)
-
-
-def record_tag(rollout_id: str) -> str:
-    return state_tag("rollout", rollout_id)
 
 
 def new_record(config: ReleaseConfig, rollout_id: str, source: str, digest: str, channels: tuple[str, ...],
@@ -335,7 +213,7 @@ Output = Callable[[str], None]
 class Reconciler:
     """Runs (or resumes) one rollout's steps, or its rollback, against the live registries."""
 
-    def __init__(self, config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output,
+    def __init__(self, config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: ChannelLease, out: Output,
                  runtime: Runtime | None = None):
         self.config = config
         self.trust = trust
@@ -742,13 +620,17 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     channels = check_channels(config, channels)  # each once, as planned
     refuse_quarantined(config, ref.digest, image)
     trust = _trust(config)
-    out(f"source {image}: {check_source(trust, image)}")
     rollout_id = new_rollout_id()
     store = open_store(config)
     record = new_record(config, rollout_id, image, ref.digest, channels, steps)
     journal = Journal(store, local_dir, record)
-    lease = lease_for(config, store, record, runtime.timing)
-    lease.acquire()
+    lease = lease_for(config, store, record, runtime.timing)  # a bad kubeconfig says so before the verification
+    try:
+        out(f"source {image}: {check_source(trust, image)}")
+        lease.acquire()
+    except BaseException:
+        lease.close()
+        raise
     journal.event("start", to=ref.digest, detail=f"{len(steps)} steps over waves "
                                                   f"{', '.join(w.name for w in config.waves)}")
     journal.save()
@@ -758,7 +640,8 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     return _run(config, trust, journal, lease, out, runtime, lambda r: r.run())
 
 
-def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lease, out: Output, runtime: Runtime,
+def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: ChannelLease, out: Output,
+         runtime: Runtime,
          action: Callable[[Reconciler], int]) -> int:
     reconciler = Reconciler(config, trust, journal, lease, out, runtime)
     try:
@@ -773,13 +656,13 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Lea
 
 
 def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path,
-            timing: Timing | None = None) -> tuple[Journal, Lease]:
+            timing: Timing | None = None) -> tuple[Journal, ChannelLease]:
     store = open_store(config)
     record = load_record(store, rollout_id, config)
     return Journal(store, local_dir, record), lease_for(config, store, record, timing)
 
 
-def _reload(config: ReleaseConfig, journal: Journal, lease: Lease) -> RolloutRecord:
+def _reload(config: ReleaseConfig, journal: Journal, lease: ChannelLease) -> RolloutRecord:
     """The record as it stands now that we hold the lease (checked again); the lease is let go on a refusal."""
     try:
         journal.record = load_record(journal.store, journal.record["id"], config)
@@ -918,13 +801,14 @@ def status(config: ReleaseConfig, rollout_id: str) -> dict[str, Any]:
                              "wave_state": record["waves"][wave_of[region.name]]["state"]})
         finally:
             registry.close()
+    channel_lease = lease_for(config, store, record)
     try:
-        lease = store.read(state_tag("lease", sorted(record["channels"])[0]), LEASE_TYPE)
-    except StateRefused:
-        lease = None  # shown as no lease; acting on the channel refuses it with the reason
+        lease = channel_lease.holder()
+    finally:
+        channel_lease.close()
     return {"id": record["id"], "status": record["status"], "reason": record.get("reason"),
             "digest": record["digest"], "source": record["source"], "channels": record["channels"],
             "next_step": record["next_step"], "steps": len(record["steps"]), "waves": record["waves"],
             "tags": rows, "rollback": record.get("rollback"),
-            "lease": {k: lease.get(k) for k in ("rollout", "user", "host", "expires_at")} if lease else None,
+            "lease": lease,
             "events": len(record["events"]), "updated_at": record.get("updated_at")}

@@ -76,6 +76,11 @@ def short(digest: str | None) -> str:
     return digest.split(":", 1)[1][:12] if digest and ":" in digest else (digest or "-")
 
 
+def record_tag(rollout_id: str) -> str:
+    """The tag of a rollout's record."""
+    return state_tag("rollout", rollout_id)
+
+
 def state_tag(prefix: str, name: str) -> str:
     """A tag in the state repository; a long name is shortened with its hash so the tag stays within 128."""
     tag = f"{prefix}-{name}"
