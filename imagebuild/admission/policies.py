@@ -474,8 +474,10 @@ def kyverno_spelling_rule(config: TrustConfig, action: str) -> dict[str, Any]:
         "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
         "validate": {
             "failureAction": action,
-            "message": "{{ element.image }} names a covered image with its registry host in other case (or "
-                       "its port with leading zeros); write it as the trust configuration does, so that its "
+            # Static: Kyverno evaluates the message outside the foreach, where `element` is undefined
+            # (its CLI skips the whole policy for it).
+            "message": "an image names a covered image with its registry host in other case (or its port "
+                       "with leading zeros); write it as the trust configuration does, so that its "
                        "signature is verified",
             "foreach": [{
                 "list": "request.object.spec.[ephemeralContainers, initContainers, containers][]",
