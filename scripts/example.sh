@@ -60,8 +60,9 @@ for line in "${released[@]}"; do images+=("${line##* }"); done
 imagebuild verify --trust examples/local/trust.yaml --require-provenance "${images[@]}"
 # The release record of the first image, verified: what went into it and what happened to it.
 imagebuild inspect --trust examples/local/trust.yaml "${images[0]}"
-# The policies embed this machine's public key, so they go to the workdir, not the repository.
-imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission"
+# The policies embed this machine's public key, so they go to the workdir, not the repository. The
+# example builds no webhook image, so its Deployment keeps the trust file's tag instead of a digest.
+imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission" --keep-webhook-tag
 
 # The canary rollout: each variant to its channel (cpu, gpu), eu-west first, then us-east and
 # ap-south, each wave after its gates (a short soak, the signature verified in the region).

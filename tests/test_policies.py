@@ -15,10 +15,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from imagebuild.admission import policies
-from imagebuild.config.trust import load_trust_config
+from imagebuild.config.trust import WebhookSettings, load_trust_config
 from imagebuild.oci import reference
 from tests.conftest import run_imagebuild
 from tests.crd_schema import crd_schema
+from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,9 +36,12 @@ def public_pem() -> str:
                                          serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
 
+WEBHOOK_IMAGE = "registry.test/team/admission:1@sha256:" + "ab" * 32  # by digest: no registry is asked
+
+
 def write_config(folder: Path, *, keys: int = 1, mode: str = "enforce", failure_policy: str = "fail",
                  require: str = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gate_passed: true, "
-                                "block_severity: HIGH}") -> Path:
+                                "block_severity: HIGH}", image: str = WEBHOOK_IMAGE, more: str = "") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
     for n in range(keys):
@@ -51,13 +55,13 @@ def write_config(folder: Path, *, keys: int = 1, mode: str = "enforce", failure_
         "images:\n  - \"registry.test/team/**\"\n  - \"127.0.0.1:5000/solo/*\"\n"
         f"require: {require}\n"
         f"failure_policy: {failure_policy}\n"
-        "webhook: {namespace: admit-ns, name: admit, image: \"registry.test/team/admission:1\", port: 9443}\n")
+        f"webhook: {{namespace: admit-ns, name: admit, image: \"{image}\", port: 9443}}\n" + more)
     return path
 
 
-def generated(config_path: Path, ca_bundle: bytes | None = None) -> dict[str, str]:
+def generated(config_path: Path, ca_bundle: bytes | None = None, webhook_image: str | None = None) -> dict[str, str]:
     config = load_trust_config(config_path)
-    return {f.name: f.text for f in policies.generate(config, policies.Options("trust.yaml", ca_bundle))}
+    return {f.name: f.text for f in policies.generate(config, policies.Options("trust.yaml", ca_bundle, webhook_image))}
 
 
 def document(files: dict[str, str], name: str) -> dict[str, Any]:
@@ -282,16 +286,151 @@ def test_webhook_runs_as_non_root_with_nothing_extra(tmp_path: Path) -> None:
         assert container[probe]["httpGet"]["scheme"] == "HTTPS"
         assert container[probe]["httpGet"]["port"] == container["ports"][0]["name"]
     assert container["ports"][0]["containerPort"] == 9443
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_the_webhook_s_namespace_enforces_restricted_and_its_pod_meets_it(tmp_path: Path) -> None:
+    docs = webhook_documents(generated(write_config(tmp_path)))
+    labels = docs["Namespace"]["metadata"]["labels"]
+    assert {k: v for k, v in labels.items() if k.startswith("pod-security.kubernetes.io/")} == {
+        "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest",
+        "pod-security.kubernetes.io/warn": "restricted", "pod-security.kubernetes.io/warn-version": "latest",
+        "pod-security.kubernetes.io/audit": "restricted", "pod-security.kubernetes.io/audit-version": "latest"}
+    assert restricted_violations(docs["Deployment"]["spec"]["template"]["spec"]) == []
+
+
+def test_the_restricted_checklist_names_what_a_pod_lacks(tmp_path: Path) -> None:
+    pod = webhook_documents(generated(write_config(tmp_path)))["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    del container["securityContext"]["allowPrivilegeEscalation"]
+    container["securityContext"]["capabilities"] = {"add": ["SYS_ADMIN"]}
+    pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    del pod["securityContext"]["seccompProfile"], container["securityContext"]["seccompProfile"]
+    assert restricted_violations(pod) == [
+        "volume host: hostPath", "webhook: allowPrivilegeEscalation is not false",
+        "webhook: seccompProfile is not RuntimeDefault or Localhost", "webhook: capabilities do not drop ALL",
+        "webhook: capabilities added"]
+
+
+def test_two_replicas_spread_over_nodes_and_a_disruption_budget_keeps_one(tmp_path: Path) -> None:
+    docs = webhook_documents(generated(write_config(tmp_path)))
+    deployment, budget = docs["Deployment"], docs["PodDisruptionBudget"]
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert (budget["apiVersion"], budget["metadata"]["namespace"]) == ("policy/v1", "admit-ns")
+    assert budget["spec"] == {"minAvailable": 1, "selector": deployment["spec"]["selector"]}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["maxSkew"]) == ("kubernetes.io/hostname", 1)
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # a one-node cluster still runs both
+    assert spread["labelSelector"]["matchLabels"].items() <= template_labels.items()
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+def test_the_deployment_runs_the_image_it_is_given_and_the_configmap_names_the_same(tmp_path: Path) -> None:
+    pinned = "registry.test/team/admission:2@sha256:" + "cd" * 32
+    docs = webhook_documents(generated(write_config(tmp_path, image="registry.test/team/admission:2"),
+                                       webhook_image=pinned))
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == pinned
+    assert yaml.safe_load(docs["ConfigMap"]["data"]["trust.yaml"])["webhook"]["image"] == pinned
+
+
+# --- Pod Security Admission labels for the workload namespaces ------------------------------
+
+
+def test_listed_namespaces_are_labelled_for_pod_security_admission(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, more="namespaces:\n  - training\n"
+                                                  "  - {name: serving, pod_security: baseline, version: v1.33}\n"))
+    assert files[policies.NAMESPACES].startswith(f"{policies.GENERATED_HEADER} from trust.yaml;")
+    namespaces = {d["metadata"]["name"]: d for d in yaml.safe_load_all(files[policies.NAMESPACES])}
+    assert list(namespaces) == ["training", "serving"]
+    assert all((d["apiVersion"], d["kind"]) == ("v1", "Namespace") for d in namespaces.values())
+    for name, level, version in (("training", "restricted", "latest"), ("serving", "baseline", "v1.33")):
+        labels = namespaces[name]["metadata"]["labels"]
+        for mode in ("enforce", "warn", "audit"):
+            assert labels[f"pod-security.kubernetes.io/{mode}"] == level
+            assert labels[f"pod-security.kubernetes.io/{mode}-version"] == version
+    # The webhook's namespace is labelled in webhook.yaml, once: no file declares a Namespace twice.
+    assert "admit-ns" not in namespaces and webhook_documents(files)["Namespace"]["metadata"]["name"] == "admit-ns"
+
+
+def test_without_namespaces_no_namespaces_file_is_written_and_a_stale_one_goes(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path / "cfg", more="namespaces: [training]\n")
+    assert policies.NAMESPACES not in generated(write_config(tmp_path / "plain"))
+    out = tmp_path / "out"
+    assert run_cli("policies", "generate", "--config", str(config_path), "--out", str(out)).returncode == 0
+    assert (out / policies.NAMESPACES).is_file()
+    write_config(tmp_path / "cfg")  # the list removed
+    rerun = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    assert rerun.returncode == 0 and f"stale     {policies.NAMESPACES}" in rerun.stdout
+    assert not (out / policies.NAMESPACES).exists()
+
+
+def test_a_bad_namespaces_key_is_one_line_exit_2_and_nothing_written(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path / "cfg", more="namespaces:\n  - {name: training, pod_security: strict}\n")
+    line = config_path.read_text().splitlines().index("  - {name: training, pod_security: strict}") + 1
+    out = tmp_path / "out"
+    result = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {config_path}:{line}: namespaces[0].pod_security: unknown level 'strict' (did you mean 'restricted'?) "
+        "(one of privileged, baseline, restricted)"]
+    assert not out.exists()
+
+
+# --- the webhook's image, by digest ---------------------------------------------------------
+
+
+def test_a_webhook_image_by_digest_is_used_as_written_without_asking_its_registry(tmp_path: Path) -> None:
+    unreachable = "127.0.0.1:9/team/admission:1@sha256:" + "ef" * 32  # the discard port: nothing answers
+    out = tmp_path / "out"
+    result = run_cli("policies", "generate", "--config", str(write_config(tmp_path / "cfg", image=unreachable)),
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    (container,) = webhook_documents({policies.WEBHOOK_MANIFESTS: (out / policies.WEBHOOK_MANIFESTS).read_text()})[
+        "Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == unreachable
+
+
+def test_keep_webhook_tag_writes_the_tag_without_asking_its_registry(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run_cli("policies", "generate", "--config", str(write_config(tmp_path / "cfg", image="127.0.0.1:9/t/a:1")),
+                     "--out", str(out), "--keep-webhook-tag")
+    assert result.returncode == 0, result.stderr
+    assert "image: 127.0.0.1:9/t/a:1\n" in (out / policies.WEBHOOK_MANIFESTS).read_text()
+
+
+def test_a_webhook_image_that_is_no_reference_is_bad_input_naming_its_line(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path / "cfg", image="registry.test/Team/admission:1")
+    line = next(n for n, text in enumerate(config_path.read_text().splitlines(), 1) if text.startswith("webhook:"))
+    result = run_cli("policies", "generate", "--config", str(config_path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    (message,) = result.stderr.strip().splitlines()
+    assert message.startswith(f"error: {config_path}:{line}: webhook.image: not an image reference: "), message
+
+
+def test_a_trust_file_naming_no_webhook_image_needs_keep_webhook_tag(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path / "cfg")
+    config_path.write_text(re.sub(r"^webhook:.*\n", "", config_path.read_text(), flags=re.M))
+    out = tmp_path / "out"
+    refused = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    assert refused.returncode == 2 and not out.exists()
+    assert refused.stderr.strip().splitlines() == [
+        f"error: {config_path}: webhook.image: not set: name the webhook's image (a tag to pin, or by digest), "
+        f"or pass --keep-webhook-tag for the placeholder {WebhookSettings().image}"]
+    kept = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--keep-webhook-tag")
+    assert kept.returncode == 0, kept.stderr
 
 
 def test_webhook_serves_the_trust_config_with_tls_from_a_secret(tmp_path: Path) -> None:
     docs = webhook_documents(generated(write_config(tmp_path)))
     assert [d["kind"] for d in docs.values()] == ["Namespace", "ServiceAccount", "ConfigMap", "Deployment",
-                                                  "Service", "MutatingWebhookConfiguration",
+                                                  "PodDisruptionBudget", "Service", "MutatingWebhookConfiguration",
                                                   "ValidatingWebhookConfiguration"]
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["image"] == "registry.test/team/admission:1"
+    assert container["image"] == WEBHOOK_IMAGE
     args = container["args"]
     assert args[:2] == ["admission", "serve"]
     flags = dict(zip(args[2::2], args[3::2]))
@@ -320,6 +459,17 @@ def test_configmap_holds_a_config_the_webhook_loads_to_the_same_trust(tmp_path: 
     assert in_cluster.images == original.images and in_cluster.require == original.require
     assert (in_cluster.mode, in_cluster.failure_policy, in_cluster.webhook) == \
         (original.mode, original.failure_policy, original.webhook)
+    assert (in_cluster.signed_identity, in_cluster.namespaces) == (original.signed_identity, original.namespaces)
+
+
+def test_the_configmap_keeps_signed_identity_and_the_namespaces(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path / "src", more="signed_identity: repository\nnamespaces: [training]\n")
+    mounted = tmp_path / "mounted" / "trust.yaml"
+    mounted.parent.mkdir()
+    mounted.write_text(webhook_documents(generated(config_path))["ConfigMap"]["data"]["trust.yaml"])
+    in_cluster = load_trust_config(mounted)
+    assert in_cluster.signed_identity == "repository"  # the cluster's webhook is no looser than `verify`
+    assert [n.name for n in in_cluster.namespaces] == ["training"]
 
 
 @pytest.mark.parametrize("kind, path", [("ValidatingWebhookConfiguration", "/validate"),
@@ -340,9 +490,15 @@ def test_webhook_configurations(tmp_path: Path, failure_policy: str, expected: s
                if set(rule["operations"]) == {"CREATE", "UPDATE"}}
     assert {("", "pods"), ("apps", "deployments"), ("apps", "statefulsets"), ("apps", "daemonsets"),
             ("batch", "jobs"), ("batch", "cronjobs")} <= covered
-    # The webhook's own namespace never waits on the webhook.
-    assert "admit-ns" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
     assert docs["Deployment"]["spec"]["replicas"] >= 2
+
+
+@pytest.mark.parametrize("kind", ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"])
+def test_the_webhook_s_own_namespace_and_kube_system_never_wait_on_the_webhook(tmp_path: Path, kind: str) -> None:
+    (hook,) = webhook_documents(generated(write_config(tmp_path)))[kind]["webhooks"]
+    assert hook["namespaceSelector"] == {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["admit-ns", "kube-system"]}]}
+    assert "objectSelector" not in hook  # nothing else is left out
 
 
 @pytest.mark.parametrize("kind", ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"])

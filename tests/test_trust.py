@@ -13,6 +13,7 @@ from imagebuild.config.trust import (
     FailurePolicy,
     Mode,
     QuarantineSource,
+    WorkloadNamespace,
     glob_matches,
     load_trust_config,
     trust_config_for_keys,
@@ -195,3 +196,43 @@ def test_a_bad_quarantine_source_is_one_line_naming_its_key(tmp_path, keys, valu
     message = error_of(write(tmp_path, f"keys: [{{name: old, path: old.pub}}]\nimages: ['**']\nquarantine: {value}\n"),
                        expected)
     assert message.startswith(f"{tmp_path / 'trust.yaml'}:3"), message
+
+
+def test_workload_namespaces_are_names_or_entries_restricted_at_the_latest_version_by_default(tmp_path, keys):
+    base = "keys: [{name: old, path: old.pub}]\nimages: ['**']\n"
+    assert load_trust_config(write(tmp_path, base)).namespaces == ()
+    config = load_trust_config(write(tmp_path, base + textwrap.dedent("""\
+        namespaces:
+          - training
+          - {name: serving, pod_security: baseline, version: v1.33}
+          - {name: notebooks, pod_security: privileged}
+        """)))
+    assert config.namespaces == (WorkloadNamespace("training", "restricted", "latest"),
+                                 WorkloadNamespace("serving", "baseline", "v1.33"),
+                                 WorkloadNamespace("notebooks", "privileged", "latest"))
+
+
+@pytest.mark.parametrize(("value", "line", "expected"), [
+    ("[Training]", 3, "namespaces[0]: 'Training' is not a Kubernetes name"),
+    ("[kube-system]", 3, "namespaces[0]: 'kube-system' is one of Kubernetes' own namespaces"),
+    ("[ok, imagebuild-system]", 3, "namespaces[1]: 'imagebuild-system' is the webhook's own namespace"),
+    ("\n  - a\n  - a", 5, "namespaces[1]: 'a' is listed twice"),
+    ("\n  - {name: a, pod_security: strict}", 4,
+     "namespaces[0].pod_security: unknown level 'strict' (did you mean 'restricted'?) (one of privileged, baseline, restricted)"),
+    ("\n  - {name: a, version: '1.30'}", 4, "namespaces[0].version: '1.30' is not a Pod Security version"),
+    ("\n  - {name: a, level: baseline}", 4, "namespaces[0].level: unknown key"),
+    ("\n  - {pod_security: baseline}", 4, "namespaces[0]: missing required key 'name'"),
+    ("training", 3, "namespaces: expected a list"),
+    ("[[a]]", 3, "namespaces[0]: expected a string, got a list"),
+])
+def test_a_bad_namespace_entry_is_one_line_naming_file_line_and_key(tmp_path, keys, value, line, expected):
+    message = error_of(write(tmp_path, f"keys: [{{name: old, path: old.pub}}]\nimages: ['**']\nnamespaces: {value}\n"),
+                       expected)
+    assert message.startswith(f"{tmp_path / 'trust.yaml'}:{line}: "), message
+
+
+def test_the_line_naming_the_webhook_image_is_kept_for_the_command_that_resolves_it(tmp_path, keys):
+    base = "keys: [{name: old, path: old.pub}]\nimages: ['**']\n"
+    config = load_trust_config(write(tmp_path, base + "webhook:\n  name: hook\n  image: r.example/hook:1\n"))
+    assert (config.webhook.image, config.webhook.image_line) == ("r.example/hook:1", 5)
+    assert load_trust_config(write(tmp_path, base)).webhook.image_line is None  # the placeholder, not named

@@ -6,17 +6,21 @@
 - clusterimagepolicy.yaml: sigstore policy-controller (policy.sigstore.dev/v1beta1);
 - kyverno-clusterpolicy.yaml: Kyverno's ClusterPolicy with verifyImages (kyverno.io/v1);
 - kyverno-imagevalidatingpolicy.yaml: Kyverno's ImageValidatingPolicy (policies.kyverno.io/v1beta1);
-- webhook.yaml: Namespace, ServiceAccount, ConfigMap (the trust configuration), Deployment,
+- webhook.yaml: Namespace (Pod Security `restricted`), ServiceAccount, ConfigMap (the trust
+  configuration), Deployment (its image by digest, Options.webhook_image), PodDisruptionBudget,
   Service, MutatingWebhookConfiguration (/mutate: tags pinned to the verified digest) and
-  ValidatingWebhookConfiguration (/validate) for imagebuild's own webhook.
+  ValidatingWebhookConfiguration (/validate) for imagebuild's own webhook;
+- namespaces.yaml (when the configuration lists `namespaces`): the workload Namespaces, labelled
+  for Kubernetes' Pod Security Admission. Only labels: Kubernetes enforces the standard.
 
 Every key of the configuration becomes its own authority/attestor and any one of them suffices,
 so during a key rotation images signed with the old or the new key are admitted. Signatures are
 key-based and offline: no transparency log is consulted (the pipeline signs with
 `--tlog-upload=false`).
 
-The output is a function of the configuration only (no clock, no environment), so the same
-configuration gives the same bytes and `--check` can compare.
+The output is a function of the configuration and the Options only (no clock, no environment), so
+the same configuration gives the same bytes and `--check` can compare; the one input from outside,
+the webhook image's digest, is resolved by the caller (webhook_image) and passed in.
 """
 from __future__ import annotations
 
@@ -28,7 +32,16 @@ from typing import Any
 
 import yaml
 
-from imagebuild.config.trust import SEVERITIES, TRUST_SCHEMA, FailurePolicy, Mode, PublicKey, TrustConfig, glob_matches
+from imagebuild.config.trust import (
+    SEVERITIES,
+    TRUST_SCHEMA,
+    FailurePolicy,
+    Mode,
+    PublicKey,
+    TrustConfig,
+    WorkloadNamespace,
+    glob_matches,
+)
 from imagebuild.oci import reference
 from imagebuild.trust.attest import KINDS, PREDICATE_TYPES
 from imagebuild.trust.provenance import BUILD_TYPE
@@ -42,6 +55,8 @@ CLUSTER_IMAGE_POLICY = "clusterimagepolicy.yaml"
 KYVERNO_CLUSTER_POLICY = "kyverno-clusterpolicy.yaml"
 KYVERNO_IMAGE_VALIDATING_POLICY = "kyverno-imagevalidatingpolicy.yaml"
 WEBHOOK_MANIFESTS = "webhook.yaml"
+NAMESPACES = "namespaces.yaml"
+POD_SECURITY_LABEL = "pod-security.kubernetes.io"
 
 # Where the webhook's Deployment mounts its configuration and TLS pair.
 CONFIG_MOUNT = "/etc/imagebuild/config"
@@ -59,10 +74,15 @@ class GeneratedFile:
 class Options:
     source: str  # how the header names the configuration (the path as the user gave it)
     ca_bundle: bytes | None = None  # PEM of the CA that signed the webhook's serving certificate
+    webhook_image: str | None = None  # what the Deployment runs (webhook_image: by digest); None: as the file says
 
 
 def generate(config: TrustConfig, options: Options) -> tuple[GeneratedFile, ...]:
-    """All four files, in a fixed order."""
+    """The four files, and namespaces.yaml when the configuration lists namespaces, in a fixed order."""
+    namespaces = (GeneratedFile(NAMESPACES, _documents_file(config, options, workload_namespaces(config), (
+        "The workload namespaces, labelled for Kubernetes' Pod Security Admission: the API server",
+        "refuses a Pod that breaks the level (enforce), warns the client (warn) and audits it (audit).",
+    ))),) if config.namespaces else ()
     return (
         GeneratedFile(CLUSTER_IMAGE_POLICY, _document_file(config, options, cluster_image_policy(config), (
             "sigstore policy-controller. It enforces only in namespaces labelled",
@@ -82,6 +102,7 @@ def generate(config: TrustConfig, options: Options) -> tuple[GeneratedFile, ...]
             ))),
         GeneratedFile(WEBHOOK_MANIFESTS, _documents_file(config, options, webhook_manifests(config, options),
                                                          _webhook_notes(config, options))),
+        *namespaces,
     )
 
 
@@ -586,9 +607,9 @@ def service_dns_name(config: TrustConfig) -> str:
     return f"{config.webhook.name}.{config.webhook.namespace}.svc"
 
 
-def cluster_trust_config(config: TrustConfig) -> str:
+def cluster_trust_config(config: TrustConfig, image: str) -> str:
     """The configuration as the webhook reads it in the cluster: keys inline (their paths are
-    this machine's), everything else as given."""
+    this machine's), the webhook's image as its Deployment names it, everything else as given."""
     data: dict[str, Any] = {
         "schema": TRUST_SCHEMA,
         "mode": config.mode.value,
@@ -603,20 +624,43 @@ def cluster_trust_config(config: TrustConfig) -> str:
         "failure_policy": config.failure_policy.value,
         "cache_ttl_seconds": config.cache_ttl_seconds,
         "webhook": {"namespace": config.webhook.namespace, "name": config.webhook.name,
-                    "image": config.webhook.image, "port": config.webhook.port},
+                    "image": image, "port": config.webhook.port},
+        "signed_identity": config.signed_identity,
     }
+    if config.namespaces:
+        data["namespaces"] = [{"name": n.name, "pod_security": n.pod_security, "version": n.version}
+                              for n in config.namespaces]
     return _dump(data)
+
+
+def pod_security_labels(level: str, version: str) -> dict[str, str]:
+    """Pod Security Admission's labels: one level and version to enforce, warn about and audit."""
+    labels: dict[str, str] = {}
+    for mode in ("enforce", "warn", "audit"):
+        labels[f"{POD_SECURITY_LABEL}/{mode}"] = level
+        labels[f"{POD_SECURITY_LABEL}/{mode}-version"] = version
+    return labels
+
+
+def _namespace(namespace: WorkloadNamespace) -> dict[str, Any]:
+    labels = {**_labels(), **pod_security_labels(namespace.pod_security, namespace.version)}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace.name, "labels": labels}}
+
+
+def workload_namespaces(config: TrustConfig) -> list[dict[str, Any]]:
+    return [_namespace(n) for n in config.namespaces]
 
 
 def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, Any]]:
     hook = config.webhook
+    image = options.webhook_image or hook.image
     labels = {**_labels(), "app.kubernetes.io/name": hook.name}
     selector = {"app.kubernetes.io/name": hook.name}
     meta = {"name": hook.name, "namespace": hook.namespace, "labels": labels}
     probe = {"scheme": "HTTPS", "port": "https"}
     container = {
         "name": "webhook",
-        "image": hook.image,
+        "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["imagebuild"],
         "args": ["admission", "serve", "--trust", f"{CONFIG_MOUNT}/trust.yaml",
@@ -648,10 +692,16 @@ def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, A
         "spec": {
             "replicas": 2,  # failurePolicy Fail blocks every Pod while no replica answers
             "selector": {"matchLabels": selector},
+            # A new replica is ready before an old one goes (the PodDisruptionBudget covers evictions).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
                     "serviceAccountName": hook.name,
+                    # One node's loss leaves a replica answering; a one-node cluster still runs both.
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": selector}}],
                     "automountServiceAccountToken": False,  # it reads registries, not the API server
                     "securityContext": {
                         "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
@@ -683,12 +733,15 @@ def webhook_manifests(config: TrustConfig, options: Options) -> list[dict[str, A
                                      {**client_config, "service": {**client_config["service"], "path": "/mutate"}}),
                 "reinvocationPolicy": "IfNeeded"}
     return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": hook.namespace, "labels": _labels()}},
+        _namespace(WorkloadNamespace(hook.namespace)),  # restricted: the Deployment passes it
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": f"{hook.name}-config", "namespace": hook.namespace, "labels": labels},
-         "data": {"trust.yaml": cluster_trust_config(config)}},
+         "data": {"trust.yaml": cluster_trust_config(config, image)}},
         deployment,
+        # A drain or an upgrade evicts one replica at a time: one keeps answering.
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
+         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta,
          "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https",
                                                    "protocol": "TCP"}]}},

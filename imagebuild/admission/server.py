@@ -20,6 +20,13 @@ every request, so its by-digest cache is shared. Decisions go to stderr as one J
 (never the request body: Pod specs carry environment values); connection-level events are
 rate-limited per client, so a flood cannot flood the log. SIGTERM: not ready, stop accepting,
 close idle connections, finish the requests in flight (within `drain_timeout_s`), exit.
+
+The serving certificate and key are read again when their files change (`ServingCertificate`):
+Kubernetes updates a mounted Secret by swapping a `..data` link, cert-manager rotates the pair. A
+new connection gets the newest pair that loads; a connection already open keeps the pair it
+began with, finishes the request it is on and is then closed, so its client reconnects to the new
+one. A pair that does not load (half written, key and certificate apart) is ignored, once, with one
+log line, until the files change again.
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 import h11
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 
 from imagebuild.admission import review as admission
 from imagebuild.admission.review import Policy, Verdict
@@ -132,9 +141,93 @@ class ParallelVerifier:
 def tls_context(cert: Path | str, key: Path | str) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    context.load_cert_chain(certfile=str(cert), keyfile=str(key))  # refuses a key that is not the certificate's
     context.set_alpn_protocols(["http/1.1"])  # the API server offers h2 too; we speak HTTP/1.1
     return context
+
+
+FileStamp = tuple[str, int, int, int, int]  # resolved path, device, inode, size, mtime in ns
+
+
+def _stamp(path: Path) -> FileStamp | None:
+    """What changes when a file is replaced or rewritten: where its links lead, and its stat."""
+    try:
+        resolved = path.resolve()
+        info = resolved.stat()
+    except OSError:
+        return None
+    return str(resolved), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+class ServingCertificate:
+    """The webhook's certificate and key, and the TLS context made of them, read again when the files change.
+
+    `current()` is asked on each accepted connection; it looks at the files (a stat of each, links
+    followed) at most every `check_interval_s`, and loads them only when that changed. A pair that
+    does not load keeps the context in use, and is logged once (the reason, never key material) until
+    the files change again: a pair written one file at a time fails until its second file lands,
+    then loads. Used from the event loop only.
+    """
+
+    def __init__(self, cert: Path | str, key: Path | str, log: DecisionLog | None = None,
+                 check_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cert, self.key = Path(cert), Path(key)
+        self._log = log
+        self._interval = check_interval_s
+        self._clock = clock
+        stamps = self._stamps()
+        self._context = tls_context(self.cert, self.key)  # the first pair must load: the caller says why not
+        self._seen, self._checked = stamps, clock()
+        self.generation = 0  # how many times a new pair replaced the one before
+
+    def _stamps(self) -> tuple[FileStamp | None, FileStamp | None]:
+        return _stamp(self.cert), _stamp(self.key)
+
+    def current(self) -> ssl.SSLContext:
+        """The context for a new connection: the newest pair that loaded."""
+        now = self._clock()
+        if now - self._checked < self._interval:
+            return self._context
+        self._checked = now
+        stamps = self._stamps()  # before reading: a change while we read shows as a change next time
+        if stamps == self._seen:
+            return self._context
+        self._seen = stamps
+        try:
+            context = tls_context(self.cert, self.key)
+        except (ssl.SSLError, OSError, ValueError) as err:
+            if self._log is not None:
+                self._log.write("tls_reload_failed", cert=str(self.cert), key=str(self.key),
+                                error=_tls_error(err), kept="the pair in use")
+            return self._context
+        self._context = context
+        self.generation += 1
+        if self._log is not None:
+            self._log.write("tls_reloaded", cert=str(self.cert), **certificate_summary(self.cert))
+        return context
+
+    def is_current(self, context: ssl.SSLContext) -> bool:
+        return context is self._context
+
+
+def _tls_error(err: Exception) -> str:
+    """What went wrong loading a pair, in words of ssl or the OS: never a byte of the files."""
+    if isinstance(err, ssl.SSLError):
+        return f"{err.library or 'ssl'}: {err.reason or type(err).__name__}"
+    if isinstance(err, OSError):
+        return f"{type(err).__name__}: {err.strerror or err.errno}"
+    return type(err).__name__
+
+
+def certificate_summary(cert: Path) -> dict[str, str]:
+    """The first certificate of a PEM chain, as a log names it: subject, issuer, expiry, SHA-256 fingerprint."""
+    try:
+        leaf = x509.load_pem_x509_certificate(cert.read_bytes())
+    except (OSError, ValueError):
+        return {}  # it loaded a moment ago; a file changed again since, and the next check reads it
+    return {"subject": leaf.subject.rfc4514_string()[:200], "issuer": leaf.issuer.rfc4514_string()[:200],
+            "not_after": leaf.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "sha256": leaf.fingerprint(hashes.SHA256()).hex()}
 
 
 # --- TLS over memory buffers ---------------------------------------------------------------------------------
@@ -270,7 +363,8 @@ class Connection:
         self.settings = server.settings
         self.client = client  # the key connections are counted under
         self.address = address
-        self.tls = TlsStream(reader, writer, server.context)
+        self.context = server.certificate.current()  # the newest pair; this connection keeps it to the end
+        self.tls = TlsStream(reader, writer, self.context)
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self.busy = False  # a request has arrived whole and is not answered yet: SIGTERM lets it finish
@@ -318,7 +412,9 @@ class Connection:
             return await self._refuse(http, Refusal(HTTPStatus(err.error_status_hint), f"bad request: {err}"))
         if status is None:
             return False  # the client went away before its body was whole
-        keep = not self.server.stopping and http.their_state is h11.DONE
+        # A connection on a replaced certificate ends after this answer: its client reconnects to the new one.
+        keep = not self.server.stopping and http.their_state is h11.DONE and \
+            self.server.certificate.is_current(self.context)
         await self._send(http, status, payload, content_type, close=not keep)
         return keep and http.our_state is h11.DONE
 
@@ -468,10 +564,10 @@ class ByteBudget:
 class WebhookServer:
     """Accepts connections within the limits, runs each, and stops gracefully."""
 
-    def __init__(self, settings: ServerSettings, context: ssl.SSLContext, verify: ParallelVerifier,
+    def __init__(self, settings: ServerSettings, certificate: ServingCertificate, verify: ParallelVerifier,
                  policy: Policy, log: DecisionLog) -> None:
         self.settings = settings
-        self.context = context
+        self.certificate = certificate
         self.verify = verify
         self.policy = policy
         self.log = log
@@ -598,12 +694,12 @@ class WebhookServer:
                 self.per_client.pop(connection.client, None)
 
 
-def serve(settings: ServerSettings, context: ssl.SSLContext, verify: Callable[[str], Verdict], policy: Policy,
-          log: DecisionLog, on_ready: Callable[[WebhookServer], None] | None = None) -> None:
+def serve(settings: ServerSettings, certificate: ServingCertificate, verify: Callable[[str], Verdict],
+          policy: Policy, log: DecisionLog, on_ready: Callable[[WebhookServer], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT (or server.request_stop()); then drain as the module docstring says."""
     verifier = ParallelVerifier(verify, settings.verify_workers)
     try:
-        asyncio.run(_serve(WebhookServer(settings, context, verifier, policy, log), on_ready))
+        asyncio.run(_serve(WebhookServer(settings, certificate, verifier, policy, log), on_ready))
     finally:
         verifier.close()
 
@@ -619,7 +715,8 @@ async def _serve(server: WebhookServer, on_ready: Callable[[WebhookServer], None
                          mode="enforce" if server.policy.enforce else "warn",
                          failure_policy="fail" if server.policy.fail_closed else "ignore",
                          request_deadline_s=settings.request_deadline_s, max_connections=settings.max_connections,
-                         max_connections_per_client=settings.max_connections_per_client)
+                         max_connections_per_client=settings.max_connections_per_client,
+                         certificate=certificate_summary(server.certificate.cert).get("sha256"))
         if on_ready is not None:
             on_ready(server)
         await server.wait_stopped()

@@ -12,7 +12,7 @@ import click
 from imagebuild.admission import review as admission
 from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
 from imagebuild.admission.review import Verdict
-from imagebuild.admission.server import DecisionLog, ServerSettings, serve, tls_context
+from imagebuild.admission.server import DecisionLog, ServerSettings, ServingCertificate, serve
 from imagebuild.cli.common import echo, reports_input_errors, trust_file_option
 from imagebuild.config.trust import FailurePolicy, Mode, TrustConfig, load_trust_config
 from imagebuild.core.errors import ExitCode
@@ -61,6 +61,10 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
     GET  /healthz    liveness: the process answers
     GET  /readyz     readiness: 503 once SIGTERM came, while requests in flight finish
 
+    The certificate and key are read again when their files change (a Secret's update, a
+    cert-manager renewal), at most once a second: new connections get the new pair, open ones
+    finish on the old. A pair that does not load is ignored, with one log line (tls_reload_failed).
+
     Verdicts are cached by digest for the configuration's cache_ttl_seconds, across requests;
     a tag is resolved again on every request, so a moved tag is noticed at once. A digest
     quarantined in the state repository named by the configuration's `quarantine:` is refused.
@@ -74,12 +78,13 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
           --tls-cert cert.pem --tls-key key.pem --host 127.0.0.1 --port 9443
     """
     config = load_trust_config(trust_path)
-    context = _tls(tls_cert, tls_key)
+    log = DecisionLog(sys.stderr)
+    certificate = _tls(tls_cert, tls_key, log)
     verifier = Verifier(config)  # one for the whole server: its cache serves every request
     settings = ServerSettings(host=host, port=port, request_deadline_s=request_deadline,
                               max_connections=max_connections, max_connections_per_client=max_connections_per_client)
     try:
-        serve(settings, context, _checks(config, verifier), _policy(config), DecisionLog(sys.stderr))
+        serve(settings, certificate, _checks(config, verifier), _policy(config), log)
     except OSError as err:
         echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
         sys.exit(ExitCode.FAILED)
@@ -126,12 +131,12 @@ def _policy(config: TrustConfig) -> admission.Policy:
     return admission.Policy(enforce=config.mode is Mode.ENFORCE, fail_closed=config.failure_policy is FailurePolicy.FAIL)
 
 
-def _tls(cert: Path, key: Path) -> ssl.SSLContext:
+def _tls(cert: Path, key: Path, log: DecisionLog) -> ServingCertificate:
     for path, what in ((cert, "--tls-cert"), (key, "--tls-key")):
         if not path.is_file():
             raise InputError(str(path), None, what, "no such file")
     try:
-        return tls_context(cert, key)
+        return ServingCertificate(cert, key, log)
     except (ssl.SSLError, ValueError, OSError) as err:
         raise InputError(str(cert), None, "--tls-cert/--tls-key",
                          f"not a PEM certificate chain and its private key ({getattr(err, 'reason', None) or err})"

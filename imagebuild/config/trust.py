@@ -16,6 +16,16 @@ quarantine` leave their marks (tag `quarantine-sha256-<hex>`): the webhook refus
 there, and reads each digest's mark again once its cache_ttl_seconds (0-3600) have passed.
 Without it, quarantine is enforced by rollouts only.
 
+`webhook: {namespace, name, image, port}` describes imagebuild's own webhook as `policies generate`
+writes its manifests; `image` is a reference (a tag, which generate pins to its digest, or a digest),
+checked by generate, the one command that uses it.
+
+`namespaces` lists the cluster's workload namespaces, which `policies generate` labels for Kubernetes'
+Pod Security Admission (`pod-security.kubernetes.io/enforce`, `warn`, `audit` and their versions):
+each entry a name (level `restricted`, version `latest`) or `{name, pod_security, version}`, with
+`pod_security` one of POD_SECURITY_LEVELS and `version` `latest` or `v1.N`. Kubernetes' own
+namespaces (`kube-*`) and the webhook's (labelled in its own manifests) cannot be listed.
+
 `signed_identity` (`name`, the default, or `repository`) is what a signature's
 `critical.identity.docker-reference` must share with the image it is found on: the image name
 (the last path component; any project or registry, so promotions keep verifying) or the whole
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -85,6 +95,19 @@ class WebhookSettings:
     name: str = "imagebuild-admission"
     image: str = "registry.example.com/imagebuild/admission:latest"
     port: int = 8443
+    image_line: int | None = field(default=None, compare=False)  # where the file names `image`; None: not named
+
+
+POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")  # Kubernetes' Pod Security Standards
+
+
+@dataclass(frozen=True)
+class WorkloadNamespace:
+    """A namespace labelled for Pod Security Admission at `pod_security` (enforce, warn and audit alike)."""
+
+    name: str
+    pod_security: str = "restricted"
+    version: str = "latest"  # the standard's version (`v1.33`); `latest` follows the cluster
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,7 @@ class TrustConfig:
     webhook: WebhookSettings = WebhookSettings()
     quarantine: QuarantineSource | None = None
     signed_identity: str = "name"  # one of SIGNED_IDENTITIES: what a signature's docker-reference must match
+    namespaces: tuple[WorkloadNamespace, ...] = ()  # labelled for Pod Security Admission by `policies generate`
 
     def covers(self, repository: str) -> bool:
         """Whether `registry/repository` (no tag or digest) falls under one of the image globs."""
@@ -132,7 +156,7 @@ def glob_matches(pattern: str, repository: str) -> bool:
 
 
 _TOP_KEYS = ("schema", "mode", "keys", "images", "require", "failure_policy", "cache_ttl_seconds", "webhook",
-             "quarantine", "signed_identity")
+             "quarantine", "signed_identity", "namespaces")
 SIGNED_IDENTITIES = ("name", "repository")
 _QUARANTINE_KEYS = ("registry", "repository", "cache_ttl_seconds")
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
@@ -141,6 +165,8 @@ _KEY_KEYS = ("name", "path", "pem")
 _REQUIRE_KEYS = ("attestations", "smoke_passed", "gate_passed", "block_severity")
 _WEBHOOK_KEYS = ("namespace", "name", "image", "port")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_NAMESPACE_KEYS = ("name", "pod_security", "version")
+_POD_SECURITY_VERSION = re.compile(r"latest|v1\.(0|[1-9][0-9]{0,2})")
 
 
 def load_trust_config(path: Path) -> TrustConfig:
@@ -164,9 +190,10 @@ def parse_trust_config(doc: Document, path: Path) -> TrustConfig:
     identity = r.string(data.get("signed_identity", "name"), ("signed_identity",))
     if identity not in SIGNED_IDENTITIES:
         raise r.error(("signed_identity",), f"'{identity}' is not one of {known_list(SIGNED_IDENTITIES)}")
+    namespaces = _namespaces(r, data["namespaces"], webhook) if data.get("namespaces") is not None else ()
     return TrustConfig(path=path, mode=mode, keys=keys, images=images, require=require,
                        failure_policy=failure, cache_ttl_seconds=ttl, webhook=webhook, quarantine=quarantine,
-                       signed_identity=identity)
+                       signed_identity=identity, namespaces=namespaces)
 
 
 def trust_config_for_keys(keys: Sequence[Path], images: Sequence[str] = ("**",)) -> TrustConfig:
@@ -317,7 +344,35 @@ def _webhook(r: Reader, value: Any) -> WebhookSettings:
     if any(c.isspace() for c in image):
         raise r.error(("webhook", "image"), "an image reference has no spaces")
     port = r.integer(data.get("port", defaults.port), ("webhook", "port"), minimum=1, maximum=65535)
-    return WebhookSettings(namespace=namespace, name=name, image=image, port=port)
+    line = r.doc.line(("webhook", "image")) if "image" in data else None
+    return WebhookSettings(namespace=namespace, name=name, image=image, port=port, image_line=line)
+
+
+def _namespaces(r: Reader, value: Any, webhook: WebhookSettings) -> tuple[WorkloadNamespace, ...]:
+    found: list[WorkloadNamespace] = []
+    for index, item in enumerate(r.sequence(value, ("namespaces",))):
+        at: PathKey = ("namespaces", index)
+        named = isinstance(item, dict)  # {name, pod_security, version}, or the name alone
+        entry = r.mapping(item, at, allowed=_NAMESPACE_KEYS, required=("name",)) if named else {"name": item}
+        where = at + ("name",) if named else at
+        name = r.string(entry["name"], where)
+        if not _DNS_LABEL.match(name):
+            raise r.error(where, f"'{name}' is not a Kubernetes name (lower-case letters, digits, '-')")
+        if name.startswith("kube-"):
+            raise r.error(where, f"'{name}' is one of Kubernetes' own namespaces (kube-*); list workload namespaces")
+        if name == webhook.namespace:
+            raise r.error(where, f"'{name}' is the webhook's own namespace, labelled restricted with its manifests")
+        if any(known.name == name for known in found):
+            raise r.error(where, f"'{name}' is listed twice")
+        level = r.string(entry.get("pod_security", "restricted"), at + ("pod_security",))
+        if level not in POD_SECURITY_LEVELS:
+            raise r.error(at + ("pod_security",), f"unknown level '{level}'{suggest(level, POD_SECURITY_LEVELS)} "
+                                                  f"(one of {known_list(POD_SECURITY_LEVELS)})")
+        version = r.string(entry.get("version", "latest"), at + ("version",))
+        if not _POD_SECURITY_VERSION.fullmatch(version):
+            raise r.error(at + ("version",), f"'{version}' is not a Pod Security version (latest, or v1.N)")
+        found.append(WorkloadNamespace(name=name, pod_security=level, version=version))
+    return tuple(found)
 
 
 def _quarantine(r: Reader, value: Any) -> QuarantineSource:

@@ -57,9 +57,10 @@ def start_webhook(tls, tmp_path_factory):
     directory = tmp_path_factory.mktemp("admission-webhook")
     started: list[Webhook] = []
 
-    def start(*flags: str, **config) -> Webhook:
-        """The webhook as `imagebuild admission serve` runs it; flags: more of its options."""
-        webhook = start_webhook_process(directory, tls, trust_file(directory, **config), *flags)
+    def start(*flags: str, serving: Tls = tls, **config) -> Webhook:
+        """The webhook as `imagebuild admission serve` runs it; flags: more of its options; serving: its TLS pair
+        (and the CA bundle its client trusts)."""
+        webhook = start_webhook_process(directory, serving, trust_file(directory, **config), *flags)
         started.append(webhook)
         return webhook
 
