@@ -38,6 +38,7 @@ NAMESPACE = "imagebuild-system"  # the webhook's own
 NAME = "imagebuild-admission"
 SERVICE_DNS = f"{NAME}.{NAMESPACE}.svc"
 WORKLOADS = "team-a"
+TRAINING = "training"  # listed in the trust file: labelled for Pod Security `restricted` by `policies generate`
 MUTATING = f"{NAME}-mutate.imagebuild.dev"
 VALIDATING = f"{NAME}.imagebuild.dev"
 CHANGE_TIMEOUT_S = 30.0  # the API server sees a new webhook configuration or Endpoints within a second or two
@@ -66,7 +67,7 @@ class Admission:
 
     def trust(self, **config) -> Path:
         webhook = (f"webhook:\n  namespace: {NAMESPACE}\n  name: {NAME}\n  image: {self.webhook_image}\n"
-                   "  port: 8443\n")
+                   f"  port: 8443\nnamespaces:\n  - {TRAINING}\n")
         return trust_file(self.directory, extra=webhook, **config)
 
     def generate(self, trust: Path) -> Path:
@@ -149,10 +150,11 @@ def admission(kube_cluster, staging_registry, cosign_cli, our_key, other_key, tm
     state = Admission(kube_cluster, images, tls, directory, webhook_image, host, webhook=None)  # type: ignore[arg-type]
     trust = state.trust()
     state.generated["enforce"] = state.generate(trust)
-    kube_cluster.namespace(WORKLOADS)
-    state.install(state.generated["enforce"])
-    for namespace in (NAMESPACE, "kube-system"):  # their default ServiceAccount: what kube-controller-manager adds
+    # Each namespace with its default ServiceAccount (what kube-controller-manager adds), before the
+    # generated files label them.
+    for namespace in (WORKLOADS, TRAINING, NAMESPACE, "kube-system"):
         kube_cluster.namespace(namespace)
+    state.install(state.generated["enforce"])
     state.webhook = state.start(trust)
     state.route_to(state.webhook)
     probe = unique("probe")
@@ -395,3 +397,40 @@ def pod_of(job: dict) -> dict:
             "metadata": {"name": job["metadata"]["name"], "namespace": job["metadata"]["namespace"],
                          "labels": template.get("metadata", {}).get("labels", {})},
             "spec": template["spec"]}
+
+
+def test_the_generated_namespaces_carry_pod_security_labels_at_restricted(admission):
+    labels = admission.cluster.get("namespace", TRAINING)["metadata"]["labels"]
+    for mode in ("enforce", "warn", "audit"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted", labels
+
+
+def test_the_training_job_with_a_signed_image_is_admitted_under_restricted_and_stored_pinned(admission):
+    images = admission.images
+    job = training_job(images.signed_tag, TRAINING)
+    run = admission.apply(job)
+    assert created(run) == "", run.stderr  # no Pod Security warning either
+    (stored,) = admission.images_of("job", job["metadata"]["name"], namespace=TRAINING)
+    pinned(images.signed_tag, stored)
+    spec = admission.cluster.get("job", job["metadata"]["name"], "-n", TRAINING)["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"region": "eu-west", "gpu-type": "a100"}
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # The Pod the Job controller would make passes Pod Security and our webhook too.
+    created(admission.apply(pod_of(job)))
+
+
+def test_the_training_job_made_privileged_is_refused_by_pod_security_not_by_us(admission):
+    job = training_job(admission.images.signed, TRAINING, privileged=True, allowPrivilegeEscalation=True)
+    # Pod Security enforces on Pods; on a Job it warns at once, naming what its Pods would violate.
+    warned = admission.apply(job)
+    assert warned.returncode == 0, warned.stderr
+    assert 'would violate PodSecurity "restricted:latest"' in warned.stderr and "privileged" in warned.stderr
+    refused_pod = admission.apply(pod_of(job))
+    assert refused_pod.returncode != 0
+    assert 'violates PodSecurity "restricted:latest"' in refused_pod.stderr, refused_pod.stderr
+    assert "imagebuild refused" not in refused_pod.stderr
+
+
+def test_the_training_job_with_an_unsigned_image_is_refused_by_our_webhook(admission):
+    images = admission.images
+    refused(admission.apply(training_job(images.unsigned, TRAINING)), images.unsigned, "not signed")
