@@ -351,3 +351,30 @@ def test_an_uncovered_webhook_image_is_refused_before_anything_is_built(tmp_path
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "webhook.image: '127.0.0.1:5000/elsewhere/admission:local' is not covered" in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+# --- the command's place under `imagebuild admission` ---------------------------------------------
+
+
+def test_the_image_command_is_listed_with_its_own_short_help():
+    import click
+
+    from imagebuild.cli.admission_command import _IMAGE, admission_group
+
+    command = admission_group.get_command(click.Context(admission_group), "image")
+    assert command is not None and command.get_short_help_str(limit=10_000) == _IMAGE.short_help
+
+
+def test_serving_loads_nothing_only_the_image_build_needs():
+    program = textwrap.dedent("""
+        import json, sys
+        import click
+        from imagebuild.cli.admission_command import admission_group
+        assert admission_group.get_command(click.Context(admission_group), "serve") is not None
+        print(json.dumps(sorted(sys.modules)))
+    """)
+    proc = subprocess.run([sys.executable, "-c", program], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60, check=True)
+    loaded = set(json.loads(proc.stdout))
+    assert not {"docker", "jinja2", "rich", "imagebuild.release.admission_image", "imagebuild.build.scheduler",
+                "imagebuild.cli.admission_image_command"} & loaded
