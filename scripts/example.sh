@@ -4,7 +4,9 @@
 #      the three "regions" 127.0.0.1:5001-5003, trivy, cosign, the signing key);
 #   2. check the example matrix (validate, render --check, plan against the registry);
 #   3. `imagebuild release`: build, smoke tests, scan, gate, sign and attest each variant;
-#   4. verify the signed images as admission would, and write the admission policies;
+#   4. build the admission webhook's own image the same way (`imagebuild admission image`: its
+#      build, smoke tests, scan, gate and signature), verify it and the release's images as
+#      admission would, and write the admission policies;
 #   5. roll each variant out to its channel across the regions, canary (eu-west) first
 #      (examples/local/release.yaml);
 #   6. say where to look.
@@ -56,13 +58,29 @@ PY
 )
 images=()
 for line in "${released[@]}"; do images+=("${line##* }"); done
-# Every image of the report, by digest, as an admission controller would check it.
-imagebuild verify --trust examples/local/trust.yaml --require-provenance "${images[@]}"
+
+# The webhook's own image (the trust file's webhook.image), built from this checkout through the
+# same stages; its own workdir and report. A rerun with the same source does nothing.
+imagebuild admission image --trust examples/local/trust.yaml --workdir "$workdir/admission-image" \
+  --policy examples/local/policy.yaml --offline --cache-dir "$trivy_cache" --key "$keys/cosign.key"
+webhook_image="$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["variants"][0]["image"])' \
+  "$workdir/admission-image/build-report.json")"
+echo "webhook image: $webhook_image"
+# cosign itself agrees (offline: no transparency log here; the local registry is plain http).
+if ! cosign_out="$(cosign verify --key "$keys/cosign.pub" --insecure-ignore-tlog --allow-http-registry "$webhook_image" 2>&1)"; then
+  echo "$cosign_out" >&2
+  exit 1
+fi
+echo "cosign verify: $webhook_image is signed by $keys/cosign.pub"
+
+# Every image, by digest, as an admission controller would check it: the webhook's own image is
+# admitted by its own policy.
+imagebuild verify --trust examples/local/trust.yaml --require-provenance "${images[@]}" "$webhook_image"
 # The release record of the first image, verified: what went into it and what happened to it.
 imagebuild inspect --trust examples/local/trust.yaml "${images[0]}"
 # The policies embed this machine's public key, so they go to the workdir, not the repository. The
-# example builds no webhook image, so its Deployment keeps the trust file's tag instead of a digest.
-imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission" --keep-webhook-tag
+# webhook's Deployment names the image built above by its digest (the tag resolved now).
+imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission"
 
 # The canary rollout: each variant to its channel (cpu, gpu), eu-west first, then us-east and
 # ap-south, each wave after its gates (a short soak, the signature verified in the region).
@@ -92,6 +110,7 @@ cat <<EOF2
 
 done. Where to look:
   release report (every stage per variant): $workdir/build-report.json
+    the webhook's image: $webhook_image   its report: $workdir/admission-image/build-report.json
     smoke tests: $workdir/smoke/   scans and SBOMs: $workdir/scan/   gate: $workdir/gate/result.json
     signed predicates: $workdir/sign/   admission policies for this key: $workdir/admission/
   rollouts: imagebuild rollout status --release $release   (records in the state registry)

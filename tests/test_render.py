@@ -383,7 +383,8 @@ TEMPLATE_KINDS = {"base.Dockerfile.j2": "base", "cuda-image.Dockerfile.j2": "cud
 
 
 def test_the_template_table_covers_every_template():
-    assert set(TEMPLATE_KINDS) == set(TEMPLATES.values())
+    # The webhook's image renders from no matrix (tests/test_admission_image.py holds its Dockerfile).
+    assert set(TEMPLATE_KINDS) == set(TEMPLATES.values()) - {TEMPLATES["admission"]}
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATE_KINDS) + ["_macros.j2"])

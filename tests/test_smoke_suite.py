@@ -336,3 +336,30 @@ def test_a_test_past_its_time_limit_fails_by_name_and_the_suite_goes_on(tmp_path
     assert got["test_a_failure_keeps_its_message"].startswith("AssertionError: libcurand.so does not resolve")
     assert (summary.passed, summary.failed, summary.skipped) == (1, 3, 1)
     assert "FAILED" in proc.stdout and "test_stuck_in_c_holding_the_gil" in proc.stdout
+
+
+# --- which suite runs where: the Paddle images' and the webhook image's (smoke_tests/admission/) ---------
+
+
+def collected(folder: Path, *paths: Path) -> list[str]:
+    proc = subprocess.run([sys.executable, "-B", str(SUITE / "run.py"), "--rootdir", str(folder), "--collect-only",
+                           "-q", *map(str, paths)], cwd=folder, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "IMAGEBUILD_SMOKE_EXPECT": str(expect_file(folder, "cpu")),
+                               "IMAGEBUILD_SMOKE_HARNESS": str(folder / "none")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_a_paddle_image_never_runs_the_webhook_suite_and_the_webhook_image_runs_only_it(tmp_path):
+    paddle = collected(tmp_path, SUITE)
+    assert "test_abi.py::test_paddle_imports_at_the_expected_version" in paddle
+    assert not [test for test in paddle if "test_webhook.py" in test], "the webhook's tests ran on a Paddle image"
+    ids = collected(tmp_path, SUITE / "admission")
+    assert {test.split("::")[0] for test in ids} == {"test_webhook.py"}
+    webhook = [test.split("::")[-1] for test in ids]
+    # Its own checks, and the generic ones of the abi tier collected there too (user, setuid, labels).
+    assert sorted(webhook) == sorted([
+        "test_labels_match_the_matrix", "test_no_unexpected_setuid_or_setgid_files", "test_runs_as_the_non_root_user",
+        "test_the_venv_holds_exactly_imagebuild_and_the_pinned_distributions", "test_there_is_no_shell",
+        "test_it_runs_on_a_read_only_root", "test_the_entry_point_is_the_venv_script_run_without_a_shell",
+        "test_the_server_answers_healthz_readyz_and_a_review_over_tls"])

@@ -330,3 +330,11 @@ def test_cudnn_version_numbers_decode(value, version):
 def test_major_minor():
     assert smoke_lib.major_minor("8.6.0") == (8, 6) == smoke_lib.major_minor("8.6")
     assert smoke_lib.major_minor("11.8") < smoke_lib.major_minor("12.0")
+
+
+def test_extra_expectations_are_written_only_when_a_suite_of_its_own_asks_for_them():
+    labels = {key: "x" for key in REQUIRED_LABELS}
+    plain = expectations_from_labels(target_from_labels("img", labels), labels, False)
+    assert "extra" not in plain.to_json()  # a matrix variant's suite digest stays what it was
+    webhook = replace(plain, extra={"distributions": {"click": "8.5.1"}})
+    assert webhook.to_json()["extra"] == {"distributions": {"click": "8.5.1"}}

@@ -26,6 +26,7 @@ TEMPLATES = {
     "paddle": "paddle.Dockerfile.j2",
     "extra": "extra.Dockerfile.j2",
     "release": "release.Dockerfile.j2",
+    "admission": "admission.Dockerfile.j2",  # the webhook's own image (release/admission_image.py), no matrix
 }
 
 

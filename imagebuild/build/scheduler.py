@@ -57,6 +57,9 @@ class BuildOptions:
     layer_timeout_s: float = 3600  # one layer's `docker build`; then it fails as "timed out after N s"
     push_timeout_s: float = 1800  # one layer's push to the cache repository
     push: str = "imagebuild"  # or "docker": `docker push`, one core, gzip level 6 (see publish.py)
+    # layer key -> its build context, for a layer that needs files besides its Dockerfile (the
+    # webhook's image: the package source); any other layer's context is its Dockerfile's folder.
+    contexts: Mapping[str, Path] = field(default_factory=dict)
 
 
 def git_revision(cwd: Path) -> tuple[str, str]:
@@ -423,7 +426,11 @@ class DockerLayerBuilder:
             cmd += ["--build-arg", f"{name}={value}"]
         for sid, path in sorted(self.options.secrets.items()):
             cmd += ["--secret", f"id={sid},src={path}"]
-        cmd.append(str(self.options.dockerfiles / layer.path))
+        folder = self.options.dockerfiles / layer.path
+        context = self.options.contexts.get(layer.key)
+        if context is not None:
+            cmd += ["--file", str(folder / "Dockerfile")]
+        cmd.append(str(context or folder))
         result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
                                   timeout=self.options.layer_timeout_s)
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}

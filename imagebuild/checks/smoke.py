@@ -60,9 +60,10 @@ class Expectations:
     uid: int | None = None
     gid: int | None = None
     gpu_requested: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)  # what a suite of its own needs (the webhook image's)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "schema": EXPECT_SCHEMA, "variant": self.variant, "image": self.image, "device": self.device,
             "paddle": self.paddle, "python": self.python, "cuda": self.cuda, "cudnn": self.cudnn,
             "labels": {"expected": dict(sorted(self.labels_expected.items())),
@@ -70,6 +71,9 @@ class Expectations:
             "setuid_allowlist": list(self.setuid_allowlist), "uid": self.uid, "gid": self.gid,
             "gpu_requested": self.gpu_requested,
         }
+        if self.extra:  # only when set: the expectations (and so the suite digest) of a matrix variant stay as they were
+            data["extra"] = dict(self.extra)
+        return data
 
 
 def expected_labels(target: Target, os_name: str, matrix: Matrix, combo: Combination,

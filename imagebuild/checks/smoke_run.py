@@ -24,7 +24,7 @@ import tempfile
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,9 +208,15 @@ def _safe_name(text: str) -> str:
 class SmokeRunner:
     """Runs the suite in one image at a time; `run` never raises for a broken image."""
 
-    def __init__(self, client: Any, options: RunOptions, out: Path, harness: Path, suite: Path = SUITE_DIR):
+    def __init__(self, client: Any, options: RunOptions, out: Path, harness: Path, suite: Path = SUITE_DIR,
+                 tests: tuple[str, ...] = ()):
+        """`tests`: folders of the suite to run, relative to it (the webhook image's: `admission`); default all of it."""
         if not (suite / "run.py").is_file():
             raise ToolMissing(f"the smoke suite is not at {suite} (pass --suite)")
+        missing = [t for t in tests if not (suite / t).is_dir()]
+        if missing:
+            raise ToolMissing(f"the smoke suite at {suite} has no {missing[0]}/")
+        self.tests = tests
         self.client = client
         self.options = options
         # Bind mounts need absolute paths.
@@ -320,7 +326,7 @@ class SmokeRunner:
                 "-o", f"junit_suite_name={target.name}"]
         if self.options.tier != "all":
             args += ["-m", self.options.tier]
-        args.append(SUITE_MOUNT)
+        args += [f"{SUITE_MOUNT}/{test}" for test in self.tests] or [SUITE_MOUNT]
         for i, path in enumerate(extras):
             inside = f"{EXTRA_MOUNT}/{i}/{path.name}"
             mounts.append(docker.types.Mount(inside, str(path), type="bind", read_only=True))
@@ -427,11 +433,27 @@ def run_report(report_path: Path, matrix_path: Path | None, selection: Selection
         if ctx.find(rec.id) is None:
             raise InputError(ctx.matrix.file, None, "", f"has no variant {rec.id} (was the matrix changed "
                                                         "since the build? pass the one it was built from)")
-    runner = make_runner()
+    revision = report.revision or None
+
+    def expect(target: Target, labels: Mapping[str, str], gpu_requested: bool) -> Expectations:
+        return ctx.expectations(target, labels, revision, gpu_requested)
+
+    return run_records(report_path, records, make_runner(), expect, ctx.extra_tests, on_result)
+
+
+# What a variant's image should be: (its target, the image's labels, whether GPUs were requested) -> expectations.
+ExpectationsFor = Callable[[Target, Mapping[str, str], bool], Expectations]
+
+
+def run_records(report_path: Path, records: Iterable[VariantRecord], runner: SmokeRunner, expect: ExpectationsFor,
+                extra_tests: Callable[[str], tuple[str, ...]] = lambda _: (),
+                on_result: Callable[[SmokeResult], None] = lambda r: None) -> list[SmokeResult]:
+    """Each built variant of a report in turn, its result recorded at once; a matrix's (run_report) or
+    the webhook image's, which says what it should be without one (`expect`)."""
     results = []
     for rec in records:
         with _unfinished_recorded(report_path, rec.id, rec.image or "", rec.digest, runner):
-            result = _run_record(rec, report, ctx, runner)
+            result = _run_record(rec, runner, expect, extra_tests(rec.id))
         record_results(report_path, [result])
         results.append(result)
         on_result(result)
@@ -456,7 +478,8 @@ def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str |
         raise
 
 
-def _run_record(rec: VariantRecord, report: BuildReport, ctx: MatrixContext, runner: SmokeRunner) -> SmokeResult:
+def _run_record(rec: VariantRecord, runner: SmokeRunner, expect: ExpectationsFor,
+                extra_tests: tuple[str, ...]) -> SmokeResult:
     import docker.errors
 
     if rec.status != "built" or not rec.image:
@@ -466,9 +489,8 @@ def _run_record(rec: VariantRecord, report: BuildReport, ctx: MatrixContext, run
         image, pull_s = runner.pull(target.image)
     except docker.errors.DockerException as exc:
         return _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}", runner)
-    expectations = ctx.expectations(target, image.labels or {}, report.revision or None,
-                                    runner.wants_gpu(target.device))
-    return runner.execute(rec.id, image, target, expectations, ctx.extra_tests(rec.id),
+    expectations = expect(target, image.labels or {}, runner.wants_gpu(target.device))
+    return runner.execute(rec.id, image, target, expectations, extra_tests,
                           previous=rec.stage(SmokeStage), pull_s=pull_s)
 
 

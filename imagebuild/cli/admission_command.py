@@ -13,6 +13,7 @@ from imagebuild.admission import review as admission
 from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
 from imagebuild.admission.review import Verdict
 from imagebuild.admission.server import DecisionLog, ServerSettings, ServingCertificate, serve
+from imagebuild.cli import LazyCommand, LazyPipelineGroup
 from imagebuild.cli.common import echo, reports_input_errors, trust_file_option
 from imagebuild.config.trust import FailurePolicy, Mode, TrustConfig, load_trust_config
 from imagebuild.core.errors import ExitCode
@@ -23,7 +24,13 @@ trust_option = trust_file_option(
     "The trust configuration: keys, covered images, requirements, mode, failure policy, cache TTL.", required=True)
 
 
-@click.group("admission")
+# `image` builds, scans and signs (docker, jinja2, Trivy, cosign): imported only when it runs, so that
+# `serve` starts with what the webhook needs.
+_IMAGE = LazyCommand("admission_image_command:image_command",
+                     "Build the webhook's image with imagebuild, then smoke-test, scan, gate and sign it, by digest.")
+
+
+@click.group("admission", cls=LazyPipelineGroup, lazy_commands={"image": _IMAGE})
 def admission_group() -> None:
     """The validating admission webhook: Kubernetes asks it about every Pod and Pod template.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,30 @@ DEFAULT_KEY = Path("/var/lib/imagebuild/keys/cosign.key")  # where scripts/boots
 _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
 
 
+def gate_scan_and_sign_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--policy, --cache-dir, --offline, --db-repository and --key, as `release` and `admission image` take them."""
+    options = [
+        click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
+                     default=Path("policies/vulnerabilities.yaml"), show_default=True, help="The vulnerability policy."),
+        click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=scanning.DEFAULT_CACHE,
+                     show_default=True, help="Trivy's cache; CACHE_DIR/db holds the vulnerability DB."),
+        click.option("--offline", is_flag=True, help="Scan with the DB already in CACHE_DIR/db; download nothing."),
+        click.option("--db-repository", metavar="REF", default=None, help="OCI repository of your Trivy DB mirror."),
+        click.option("--key", metavar="PATH|URI", default=str(DEFAULT_KEY), show_default=True,
+                     envvar="IMAGEBUILD_SIGNING_KEY",
+                     help="cosign private key file or KMS URI (or IMAGEBUILD_SIGNING_KEY); its password comes from "
+                          "COSIGN_PASSWORD."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def checked_scan_source(offline: bool, db_repository: str | None) -> None:
+    if offline and db_repository:
+        raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
+
+
 @click.command("release")
 @matrix_option
 @only_option
@@ -53,16 +78,7 @@ _HOST = r"^[A-Za-z0-9.-]+(?::\d{1,5})?$"
 @revision_option
 @click.option("--tier", type=click.Choice(["all", "abi", "gpu"]), default="all", show_default=True,
               help="Smoke test tier (gpu runs on GPU hosts; skipped with its reason elsewhere).")
-@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("policies/vulnerabilities.yaml"), show_default=True, help="The vulnerability policy.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=scanning.DEFAULT_CACHE,
-              show_default=True, help="Trivy's cache; CACHE_DIR/db holds the vulnerability DB.")
-@click.option("--offline", is_flag=True, help="Scan with the DB already in CACHE_DIR/db; download nothing.")
-@click.option("--db-repository", metavar="REF", default=None, help="OCI repository of your Trivy DB mirror.")
-@click.option("--key", metavar="PATH|URI", default=str(DEFAULT_KEY), show_default=True,
-              envvar="IMAGEBUILD_SIGNING_KEY",
-              help="cosign private key file or KMS URI (or IMAGEBUILD_SIGNING_KEY); its password comes from "
-                   "COSIGN_PASSWORD.")
+@gate_scan_and_sign_options
 @click.option("--push-to", "push_to", default=None, metavar="REGISTRY/PROJECT",
               help="Then copy each signed image there (as `imagebuild push --to`); without it, no push stage.")
 @trust_file_option("With --push-to: the trust config push verifies against [default: policies/trust.yaml].")
@@ -106,8 +122,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
         registry = registry.strip() or None  # an unset CI variable: the matrix's own registry
     if registry is not None and not re.fullmatch(_HOST, registry):
         raise InputError("--registry", None, registry, "is not a registry host[:port]")
-    if offline and db_repository:
-        raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
+    checked_scan_source(offline, db_repository)
     matrix = with_registry(load_matrix(matrix_path), registry)
     from imagebuild.build import scheduler as building
 

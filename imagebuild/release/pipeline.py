@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.build import scheduler as building
+from imagebuild.build.plan import Plan
 from imagebuild.build.scheduler import Event as LayerEvent
 from imagebuild.build.scheduler import SecretLane
 from imagebuild.checks import scan as scanning
 from imagebuild.checks import smoke_run
 from imagebuild.checks.gate_run import run_gate
+from imagebuild.checks.smoke import SmokeResult
 from imagebuild.config.matrix import Matrix
 from imagebuild.config.selection import Selection
 from imagebuild.config.trust import TrustConfig
@@ -149,6 +151,11 @@ class ReleaseRun:
     def run(self, matrix: Matrix, selection: Selection, revision: str, created: str, matrix_sha256: str) -> list[VariantRelease]:
         started = time.monotonic()
         self.build(matrix, selection, revision, created, matrix_sha256)
+        self.after_build(started)
+        return list(self.results.values())
+
+    def after_build(self, started: float) -> None:
+        """Every stage after the build, for the variants it built, in order (the webhook image's run too)."""
         going = self._going()
         for name, stage in (("smoke", self.smoke), ("scan", self.scan), ("gate", self.gate), ("sign", self.sign),
                             ("push", self.push)):
@@ -158,7 +165,6 @@ class ReleaseRun:
                     self._set(vid, name, Cell(Outcome.FAILED, "no result", f"{name} gave no result for it"))
             going = self._going()
         self.duration_s = round(time.monotonic() - started, 1)
-        return list(self.results.values())
 
     def _going(self) -> list[str]:
         return [v.id for v in self.results.values() if v.failed_stage is None]
@@ -178,8 +184,6 @@ class ReleaseRun:
     # --- build --------------------------------------------------------------------------------
 
     def build(self, matrix: Matrix, selection: Selection, revision: str, created: str, matrix_sha256: str) -> None:
-
-        earlier = earlier_stages(self.report_path)
         the_plan = building.prepare(matrix, revision, created)
         variants = selection.choose(the_plan.variants, str(matrix.file))
         report = building.registry_plan(the_plan, variants)
@@ -191,12 +195,18 @@ class ReleaseRun:
         options = building.BuildOptions(jobs=self.options.jobs, dry_run=False, dockerfiles=dockerfiles,
                                         workdir=self.options.workdir, secrets=secrets.paths,
                                         secret_values=secrets.values, layer_timeout_s=self.options.layer_timeout_s)
-        to_build = sum(rec.status == LayerStatus.TO_BUILD for rec in report.layers)
-        self.on_event(f"build: {to_build} of {len(report.layers)} layers to build, the rest are in the registry")
         try:
-            report = building.Builder(the_plan, report, options, self.on_layer).run()
+            self.build_layers(the_plan, report, options)
         finally:
             secrets.close()
+
+    def build_layers(self, the_plan: Plan, report: BuildReport, options: building.BuildOptions) -> None:
+        """Build what the registry lacks (report: as registry_plan made it), then keep each earlier
+        stage record about a digest that did not change."""
+        earlier = earlier_stages(self.report_path)
+        to_build = sum(rec.status == LayerStatus.TO_BUILD for rec in report.layers)
+        self.on_event(f"build: {to_build} of {len(report.layers)} layers to build, the rest are in the registry")
+        report = building.Builder(the_plan, report, options, self.on_layer).run()
         carried = carry_forward(self.report_path, report, earlier)
         if carried:
             self.on_event(f"build: earlier results kept for the unchanged digests: {carried}")
@@ -235,8 +245,14 @@ class ReleaseRun:
 
         self.on_event(f"smoke: {len(ids)} image(s), tier {self.options.smoke_tier}")
         results = smoke_run.run_report(self.report_path, None, Selection.parse([f"id={','.join(ids)}"]),
-                                       make_runner, lambda r: self.on_event(f"  smoke {r.record.status} {r.name}"
-                                                                            + (" (reused)" if r.reused else "")))
+                                       make_runner, self.smoke_progress)
+        self.smoke_results(results)
+        return self._going()
+
+    def smoke_progress(self, r: SmokeResult) -> None:
+        self.on_event(f"  smoke {r.record.status} {r.name}" + (" (reused)" if r.reused else ""))
+
+    def smoke_results(self, results: list[SmokeResult]) -> None:
         for r in results:
             s = r.record
             counts = f"{s.passed} passed, {s.skipped} skipped"
@@ -248,7 +264,6 @@ class ReleaseRun:
                 failures = "; ".join(f["test"] for f in s.failures[:3])
                 cell = Cell(Outcome.FAILED, s.status.value, failures or first_line(s.reason) or s.status.value)
             self._set(r.variant or r.name, "smoke", cell)
-        return self._going()
 
     # --- scan ---------------------------------------------------------------------------------
 

@@ -92,3 +92,18 @@ def scan_image(engine: docker.DockerClient, reference: str, needles: Iterable[by
         if needle in history:
             findings.add(needle, "history")
     return findings
+
+
+def pem_blocks(text: str) -> list[str]:
+    """The base64 body of each PEM certificate in `text`, one string per certificate."""
+    blocks: list[str] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("-----BEGIN CERTIFICATE"):
+            current = []
+        elif line.startswith("-----END CERTIFICATE") and current is not None:
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line.strip())
+    return blocks

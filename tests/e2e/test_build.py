@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from .conftest import EXAMPLE, REPO, STAGING, copy_matrix, imagebuild
-from .layers import scan_image
+from .layers import pem_blocks, scan_image
 
 CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
 GPU_VARIANT = "paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12"
@@ -221,19 +221,6 @@ def test_interrupting_a_build_stops_it_and_tags_nothing(built_example, tmp_path,
     assert not left, "the RUN step of the interrupted build is still running"
 
 
-def _pem_blocks(text: str) -> list[str]:
-    blocks, current = [], None
-    for line in text.splitlines():
-        if line.startswith("-----BEGIN CERTIFICATE"):
-            current = []
-        elif line.startswith("-----END CERTIFICATE") and current is not None:
-            blocks.append("\n".join(current))
-            current = None
-        elif current is not None:
-            current.append(line.strip())
-    return blocks
-
-
 def test_build_secrets_are_in_no_layer_config_log_or_report(engine, built_example, tmp_path,
                                                           fresh_repository, secret_canary):
     # A fresh layer whose RUN step needs the CA bundle (pip through the TLS proxy) and gets
@@ -260,10 +247,10 @@ def test_build_secrets_are_in_no_layer_config_log_or_report(engine, built_exampl
                                          remove=True, network_disabled=True).decode()
     # Public CAs (the ones Debian ships, here or in the image) are not secrets: a newer
     # ca-certificates on one side, or pip's own certifi copy, may carry some the other lacks.
-    public = set(_pem_blocks(image_bundle))
+    public = set(pem_blocks(image_bundle))
     for shipped in Path("/usr/share/ca-certificates").rglob("*.crt"):
-        public |= set(_pem_blocks(shipped.read_text()))
-    host_only = set(_pem_blocks(host_bundle)) - public
+        public |= set(pem_blocks(shipped.read_text()))
+    host_only = set(pem_blocks(host_bundle)) - public
     needles += [block.splitlines()[len(block.splitlines()) // 2].encode() for block in host_only]
 
     images = [fresh_image] + [v["image"] for v in built_example.report["variants"]]

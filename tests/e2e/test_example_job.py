@@ -9,6 +9,7 @@ smoke tests, scans, signatures and rollouts.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -42,6 +43,12 @@ def test_the_example_releases_every_variant_rolls_it_out_and_says_where_to_look(
     assert "2 of 2 variant(s) released" in out
     assert "Where to look" in first.stdout and "audit trail" in first.stdout
     assert "rollout status" in first.stdout
+    # The webhook's own image: built, checked and signed, then verified by cosign and by its own policy.
+    webhook = re.search(r"^webhook image: (127\.0\.0\.1:5000/imagebuild/admission@sha256:[0-9a-f]{64})$", first.stdout,
+                        re.MULTILINE)
+    assert webhook, first.stdout[-3000:]
+    assert f"cosign verify: {webhook[1]} is signed by" in first.stdout
+    assert f"{webhook[1]}: verified:" in out
 
 
 def test_the_second_run_does_no_work_moves_no_tag_and_says_so(two_runs):
@@ -51,10 +58,8 @@ def test_the_second_run_does_no_work_moves_no_tag_and_says_so(two_runs):
     assert "nothing to build" in out
     assert out.count("nothing to move") == 2, "each variant is already behind its channel in every region"
     assert "-> cpu" not in out and "-> gpu" not in out, "no rollout started"
-    import re
-
     rows = second.stderr.splitlines()
     assert not [row for row in rows if re.match(r"\d\d:\d\d:\d\d (building|built) ", row)], "no layer built"
     assert not [row for row in rows if row.startswith(("scan: ", "gate: "))], "no scan, no gate verdict"
-    assert len(re.findall(r"already signed", second.stdout)) == 2, "both variants' signatures reused"
+    assert len(re.findall(r"already signed", second.stdout)) == 3, "both variants' and the webhook image's reused"
     assert second_s < max(first_s, 60)
