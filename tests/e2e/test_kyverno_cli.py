@@ -83,7 +83,8 @@ def verify(config: Path, image: str) -> bool:
 def generated(namespace: str, our_key: KeyPair, tmp_path_factory) -> tuple[Path, Path]:  # noqa: F811
     folder = tmp_path_factory.mktemp("kyverno")
     config = trust_file(folder, [our_key.public], [f"{namespace}/app/**"])
-    run = imagebuild("policies", "generate", "--trust", str(config), "--out", str(folder / "admission"), cwd=REPO)
+    run = imagebuild("policies", "generate", "--trust", str(config), "--out", str(folder / "admission"), "--keep-webhook-tag",
+                     cwd=REPO)
     assert run.returncode == 0, run.stderr
     return config, folder / "admission"
 
@@ -111,7 +112,8 @@ def test_kyverno_s_cli_decides_the_image_validating_policy_as_imagebuild_verify_
 def generated_attested(namespace: str, our_key: KeyPair, tmp_path_factory) -> tuple[Path, Path]:  # noqa: F811
     folder = tmp_path_factory.mktemp("kyverno-attested")
     config = trust_file(folder, [our_key.public], [f"{namespace}/attested/**"], require=REQUIRE_ALL)
-    run = imagebuild("policies", "generate", "--trust", str(config), "--out", str(folder / "admission"), cwd=REPO)
+    run = imagebuild("policies", "generate", "--trust", str(config), "--out", str(folder / "admission"), "--keep-webhook-tag",
+                     cwd=REPO)
     assert run.returncode == 0, run.stderr
     return config, folder / "admission"
 
