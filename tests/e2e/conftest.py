@@ -30,10 +30,10 @@ REGIONS = {"eu-west": "127.0.0.1:5001", "us-east": "127.0.0.1:5002", "ap-south":
 # on one worker. A file that uses the scanned or signed example, or runs the whole pipeline on the
 # example's own images (which signs and pushes them too), goes with the others that do, so those
 # images are signed by one process at a time; a file that only needs the example built goes in a
-# second group (a build that finds every layer in the registry only tags); the rest in a third.
+# second group (a build that finds every layer in the registry only tags); a file that talks to the
+# real API server in a third, so that one etcd and one kube-apiserver (a few hundred MB) serve them
+# all; the rest in a fourth.
 SIGNED_EXAMPLE = frozenset({"scanned_example", "signed_example"})
-# A file that talks to the real API server goes in a fourth group, so that one etcd and one
-# kube-apiserver (a few hundred MB) serve them all.
 KUBE = frozenset({"kube_cluster"})
 BUILT_EXAMPLE = frozenset({"built_example"})
 WHOLE_PIPELINE = frozenset({"test_example_job.py", "test_release.py"})
