@@ -91,7 +91,9 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
     settings = ServerSettings(host=host, port=port, request_deadline_s=request_deadline,
                               max_connections=max_connections, max_connections_per_client=max_connections_per_client)
     try:
-        serve(settings, certificate, _checks(config, verifier), _policy(config), log)
+        # Verdicts from the cache are answered on the event loop; with quarantine marks to read, never.
+        cached = verifier.cached if config.quarantine is None else None
+        serve(settings, certificate, _checks(config, verifier), _policy(config), log, cached=cached)
     except OSError as err:
         echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
         sys.exit(ExitCode.FAILED)

@@ -732,6 +732,22 @@ class Verifier:
             return ImageVerdict(image, None, False, f"{reason} in {repository}")
         return replace(self._verdict_for(registry, ref.repository, digest), image=image)
 
+    def cached(self, image: str) -> ImageVerdict | None:
+        """What verify(image) would answer, when that needs no network: a covered image by digest whose verdict
+        is in the cache and fresh. None otherwise (a tag must be resolved on every request)."""
+        try:
+            ref = parse_image(image)
+        except ValueError:
+            return None
+        if ref.digest is None or not any(self.config.covers(name) for name in covered_names(ref)):
+            return None
+        cache_key = (f"{self._registry(ref.registry).registry}/{ref.repository}", ref.digest)
+        with self._lock:
+            hit = self._cache.get(cache_key)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        return replace(hit[1], image=image)
+
     def examine(self, image_by_digest: str, known: Evidence | None = None) -> tuple[ImageVerdict, Evidence]:
         """Verify `registry/repository@digest` now (no cache), and keep what was read: push verifies a
         source, copies exactly the verified signature and attestations, then audits the target.

@@ -242,6 +242,32 @@ def test_a_verdict_is_served_from_the_cache_until_its_ttl_runs_out(start_webhook
     assert f'container "app" image {image}: not signed' in message
 
 
+def test_a_review_whose_verdicts_are_all_cached_is_answered_on_the_event_loop_with_the_same_answer(
+        start_webhook, registry, images):
+    hook = start_webhook()
+    signed, unsigned = registry.push(unique_repository()), images.unsigned
+    registry.sign(signed)
+    tag = signed.split("@", 1)[0] + ":t"
+    answers = [hook.review(pod(("app", image)), path=path)
+               for image, path in [(signed, "/mutate"), (signed, "/mutate"), (unsigned, "/validate"),
+                                   (unsigned, "/validate"), (tag, "/validate"), (tag, "/validate")]]
+    inline = [decision["inline"] for decision in hook.decisions()[-6:]]
+    # A digest is verified in a worker thread once, then answered from the cache; a tag is resolved every time.
+    assert inline == [False, True, False, True, False, False]
+    for first, again in (answers[0:2], answers[2:4], answers[4:6]):
+        assert {k: v for k, v in first.items() if k != "uid"} == {k: v for k, v in again.items() if k != "uid"}
+    assert answers[0]["allowed"] is True and answers[2]["allowed"] is False
+
+
+def test_with_quarantine_marks_to_read_no_review_is_answered_on_the_event_loop(start_webhook, registry):
+    hook = start_webhook(quarantine=f"{STAGING}/admission-e2e/state-{uuid.uuid4().hex[:8]}")
+    image = registry.push(unique_repository())
+    registry.sign(image)
+    for _ in range(2):
+        assert hook.review(pod(("app", image)))["allowed"] is True
+    assert [d["inline"] for d in hook.decisions()[-2:]] == [False, False]
+
+
 def test_a_moved_tag_is_resolved_again_at_once_despite_the_cache(webhook, registry):
     repository = unique_repository()
     signed = registry.push(repository, "v1")
