@@ -60,8 +60,8 @@ Cached = Callable[[str], "Verdict | None"]  # the verdict verify(image) would gi
 REVIEW_PATHS = {"/validate": False, "/mutate": True}  # path -> pin (the mutating answer)
 
 
-class _NotCached(Exception):
-    """A review needs a verdict that is not in the cache: it goes to a worker thread."""
+class _NotCached(ImagebuildError):
+    """A review needs a verdict that is not in the cache: it goes to a worker thread (never leaves the server)."""
 
 
 INLINE_BODY_BYTES = 64 << 10  # larger bodies are parsed in a worker thread, never on the event loop
