@@ -716,7 +716,7 @@ class Verifier:
         except ValueError as exc:
             return ImageVerdict(image, None, False, f"not an image reference: {exc}")
         repository = f"{ref.registry}/{ref.repository}"
-        if not any(self.config.covers(name) for name in covered_names(ref)):
+        if not self._covers(ref):
             return ImageVerdict(image, ref.digest, False,
                                 f"not covered by the policy: {repository} matches none of its images "
                                 f"({', '.join(self.config.images)})")
@@ -739,14 +739,24 @@ class Verifier:
             ref = parse_image(image)
         except ValueError:
             return None
-        if ref.digest is None or not any(self.config.covers(name) for name in covered_names(ref)):
+        if ref.digest is None or not self._covers(ref):
             return None
-        cache_key = (f"{self._registry(ref.registry).registry}/{ref.repository}", ref.digest)
         with self._lock:
-            hit = self._cache.get(cache_key)
-        if hit is None or hit[0] <= time.monotonic():
-            return None
-        return replace(hit[1], image=image)
+            hit = self._fresh(self._registry(ref.registry), ref.repository, ref.digest)
+        return None if hit is None else replace(hit, image=image)
+
+    def _covers(self, ref: ImageRef) -> bool:
+        """The trust config covers the image as it is spelled (any of the names it may be pulled by)."""
+        return any(self.config.covers(name) for name in covered_names(ref))
+
+    @staticmethod
+    def _cache_key(registry: Registry, repository: str, digest: str) -> tuple[str, str]:
+        return f"{registry.registry}/{repository}", digest
+
+    def _fresh(self, registry: Registry, repository: str, digest: str) -> ImageVerdict | None:
+        """The cached verdict while its TTL lasts, else None; the caller holds the lock."""
+        hit = self._cache.get(self._cache_key(registry, repository, digest))
+        return hit[1] if hit is not None and hit[0] > time.monotonic() else None
 
     def examine(self, image_by_digest: str, known: Evidence | None = None) -> tuple[ImageVerdict, Evidence]:
         """Verify `registry/repository@digest` now (no cache), and keep what was read: push verifies a
@@ -771,7 +781,7 @@ class Verifier:
         except ValueError as exc:
             return Inspection(image, None, None, f"not an image reference: {exc}", {})
         repository = f"{ref.registry}/{ref.repository}"
-        if not any(self.config.covers(name) for name in covered_names(ref)):
+        if not self._covers(ref):
             return Inspection(image, ref.digest, None, f"not covered by the policy: {repository} matches none "
                                                        f"of its images ({', '.join(self.config.images)})", {})
         registry = self._registry(ref.registry)
@@ -806,11 +816,11 @@ class Verifier:
 
     def _verdict_for(self, registry: Registry, repository: str, digest: str) -> ImageVerdict:
         """The cached verdict, or the one a concurrent caller is computing, or a fresh one."""
-        cache_key = (f"{registry.registry}/{repository}", digest)
+        cache_key = self._cache_key(registry, repository, digest)
         with self._lock:
-            hit = self._cache.get(cache_key)
-            if hit is not None and hit[0] > time.monotonic():
-                return hit[1]
+            hit = self._fresh(registry, repository, digest)
+            if hit is not None:
+                return hit
             pending = self._in_flight.get(cache_key)
             if pending is None:
                 future: Future[ImageVerdict] = Future()
