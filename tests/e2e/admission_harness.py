@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,19 @@ def trust_file(directory: Path, *, mode: str = "enforce", failure_policy: str = 
     return path
 
 
+def until(condition: Callable[[], object], what: str, timeout: float = 20.0, interval: float = 0.05) -> None:
+    """Polls condition() until it is true; a CompletedProcess counts as true when it exited 0, and the last
+    one's stderr is shown when time runs out."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last.returncode == 0 if hasattr(last, "returncode") else last:
+            return
+        time.sleep(interval)
+    pytest.fail(f"not within {timeout:.0f} s: {what} ({getattr(last, 'stderr', last)!s:.2000})")
+
+
 # --- the webhook, for real -----------------------------------------------------------------------------------
 
 
@@ -134,9 +148,13 @@ class Webhook:
         return self.client.post(f"{self.url}{path}", content=body,
                                 headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
 
-    def decisions(self) -> list[dict]:
+    def events(self, event: str) -> list[dict]:
+        """The log's JSON lines of that event, in order."""
         lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-        return [line for line in lines if line.get("event") == "decision"]
+        return [line for line in lines if line.get("event") == event]
+
+    def decisions(self) -> list[dict]:
+        return self.events("decision")
 
     def stop(self) -> int:
         if self.process.poll() is None:

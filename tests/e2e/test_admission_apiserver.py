@@ -12,7 +12,6 @@ images are real, in the real staging registry, signed with the real cosign.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from .admission_harness import (
     start_webhook_process,
     trust_file,
 )
+from .admission_harness import until as poll
 from .certs import Authority, Tls
 from .conftest import REPO, require_registry, run_imagebuild
 from .kubeapi import Cluster, host_address
@@ -102,17 +102,9 @@ class Admission:
         return out.split()
 
 
-def until(condition: Callable[[], object], what: str, timeout: float = CHANGE_TIMEOUT_S) -> None:
-    """Polls condition() until it is true; a CompletedProcess counts as true when it exited 0, and the last
-    one's stderr is shown when time runs out."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        last = condition()
-        if last.returncode == 0 if hasattr(last, "returncode") else last:
-            return
-        time.sleep(0.25)
-    pytest.fail(f"not within {timeout:.0f} s: {what} ({getattr(last, 'stderr', last)!s:.2000})")
+def until(condition: Callable[[], object], what: str) -> None:
+    """The harness's poll, a quarter second apart: each try here is a kubectl run."""
+    poll(condition, what, timeout=CHANGE_TIMEOUT_S, interval=0.25)
 
 
 def created(run) -> str:

@@ -12,8 +12,6 @@ import json
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 
 from tests.secret_volume import MountedSecret
 
-from .admission_harness import Webhook
+from .admission_harness import until
 from .certs import Authority, Tls
 from .test_admission import images, pod, registry, start_webhook, tls  # noqa: F401
 
@@ -37,19 +35,6 @@ def handshake(port: int, context: ssl.SSLContext) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
             context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
         return conn.getpeercert(binary_form=True) or b""
-
-
-def until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-
-
-def logged(webhook: Webhook, event: str) -> list[dict]:
-    lines = [json.loads(line) for line in webhook.log_path.read_text().splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("event") == event]
 
 
 @dataclass
@@ -101,7 +86,7 @@ def test_a_rotated_pair_serves_new_handshakes_and_no_review_fails_while_broken_p
     webhook = start_webhook(serving=Tls(bundle, secret.cert, secret.key))
     port, context = webhook.port, ssl.create_default_context(cafile=str(bundle))
     assert handshake(port, context) == der(first)
-    assert logged(webhook, "serving")[0]["certificate"] == hashlib.sha256(der(first)).hexdigest()
+    assert webhook.events("serving")[0]["certificate"] == hashlib.sha256(der(first)).hexdigest()
 
     held = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)  # a connection kept open
     assert _review_over(held, images.signed) == (200, None)
@@ -110,7 +95,7 @@ def test_a_rotated_pair_serves_new_handshakes_and_no_review_fails_while_broken_p
     try:
         # A Secret update whose key is not its certificate's: ignored, one line, the pair in use serves on.
         secret.publish(second.cert.read_bytes(), first.key.read_bytes())
-        until(lambda: len(logged(webhook, "tls_reload_failed")) == 1, "the broken pair is noticed")
+        until(lambda: len(webhook.events("tls_reload_failed")) == 1, "the broken pair is noticed")
         assert handshake(port, context) == der(first)
 
         # The good pair, from another CA: new handshakes get it.
@@ -122,7 +107,7 @@ def test_a_rotated_pair_serves_new_handshakes_and_no_review_fails_while_broken_p
 
         # A pair written one file after the other: the certificate first (with the old key, it fails), then the key.
         secret.rewrite("tls.crt", third.cert.read_bytes())
-        until(lambda: len(logged(webhook, "tls_reload_failed")) == 2, "the half-written pair is noticed")
+        until(lambda: len(webhook.events("tls_reload_failed")) == 2, "the half-written pair is noticed")
         assert handshake(port, context) == der(second)
         secret.rewrite("tls.key", third.key.read_bytes())
         until(lambda: handshake(port, context) == der(third), "the completed pair is served")
@@ -133,9 +118,9 @@ def test_a_rotated_pair_serves_new_handshakes_and_no_review_fails_while_broken_p
     print(f"\nreviews during the rotation: {traffic.sent}, failed: {len(traffic.failures)}")
     assert traffic.failures == []
     assert min(traffic.sent.values()) >= 20, traffic.sent  # both kinds of connection were busy throughout
-    assert [line["sha256"] for line in logged(webhook, "tls_reloaded")] == [
+    assert [line["sha256"] for line in webhook.events("tls_reloaded")] == [
         hashlib.sha256(der(pair)).hexdigest() for pair in (second, third)]
-    failed = logged(webhook, "tls_reload_failed")
+    failed = webhook.events("tls_reload_failed")
     assert len(failed) == 2 and all("KEY_VALUES_MISMATCH" in line["error"] for line in failed), failed
     assert "PRIVATE KEY" not in webhook.log_path.read_text()
     assert webhook.stop() == 0
