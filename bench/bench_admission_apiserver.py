@@ -35,7 +35,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.bench_verify import seed, sign_missing  # noqa: E402
+from bench.bench_verify import add_image_arguments, signed_images  # noqa: E402
 from tests.e2e.admission_harness import start_webhook_process, trust_file  # noqa: E402
 from tests.e2e.certs import Authority  # noqa: E402
 from tests.e2e.kubeapi import Cluster, host_address, running_cluster  # noqa: E402
@@ -72,14 +72,10 @@ def api_client(cluster: Cluster) -> httpx.Client:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--registry", default="127.0.0.1:5000")
-    parser.add_argument("--repository", default="imagebuild-bench/verify")
-    parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--format", choices=["table", "json"], default="table")
+    add_image_arguments(parser)
     args = parser.parse_args()
 
-    tags = seed(args.registry, args.repository, args.count)
-    sign_missing(args.registry, args.repository, list(tags.values()))
+    tags, _ = signed_images(args)
     images = [f"{args.registry}/{args.repository}@{digest}" for digest in tags.values()]
 
     directory = Path(tempfile.mkdtemp(prefix="bench-admission-"))

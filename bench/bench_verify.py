@@ -91,6 +91,20 @@ def sign_missing(registry: str, repository: str, digests: list[str]) -> int:
     return len(missing)
 
 
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the signed benchmark images live and how many; shared with bench_admission_apiserver.py."""
+    parser.add_argument("--registry", default="127.0.0.1:5000")
+    parser.add_argument("--repository", default="imagebuild-bench/verify")
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def signed_images(args: argparse.Namespace) -> tuple[dict[str, str], int]:
+    """The `--count` images (tag -> digest), each signed; and how many this run had to sign."""
+    tags = seed(args.registry, args.repository, args.count)
+    return tags, sign_missing(args.registry, args.repository, list(tags.values()))
+
+
 def timed(label: str, refs: list[str], verify_all) -> dict:
     started = time.perf_counter()
     allowed = verify_all(refs)
@@ -102,14 +116,10 @@ def timed(label: str, refs: list[str], verify_all) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--registry", default="127.0.0.1:5000")
-    parser.add_argument("--repository", default="imagebuild-bench/verify")
-    parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--format", choices=["table", "json"], default="table")
+    add_image_arguments(parser)
     args = parser.parse_args()
 
-    tags = seed(args.registry, args.repository, args.count)
-    signed_now = sign_missing(args.registry, args.repository, list(tags.values()))
+    tags, signed_now = signed_images(args)
     by_digest = [f"{args.registry}/{args.repository}@{d}" for d in tags.values()]
     by_tag = [f"{args.registry}/{args.repository}:{t}" for t in tags]
     config = trust_config_for_keys([KEYS / "cosign.pub"])
