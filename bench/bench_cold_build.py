@@ -10,8 +10,12 @@ builds the same rendered Dockerfiles with the same build args and secrets:
 
   imagebuild  `imagebuild build --jobs 2` on a copy of the matrix pointing at its registry;
               layers pushed by imagebuild/build/publish.py.
-  peer        for each layer, parents first, at most 2 at once: `docker build` (BuildKit, FROM
-              the parent by the digest its push printed) and `docker push`.
+  peer        for each layer, parents first, at most 2 at once: `docker build --platform` (BuildKit,
+              FROM the parent by the digest its push printed) and `docker push`; then, for each
+              variant of several platforms, its OCI index by hand (`crane index append` of every
+              platform's release image), as a team without buildx would.
+
+    python bench/bench_cold_build.py --only id=paddle3.2.2-cpu-py3.11-debian12   # two platforms
 
 Prints per side the wall time and where it went (per layer: build_s, push_s, and for
 imagebuild export_s, compress_s, upload_s), the ratio peer/imagebuild, and the same as JSON
@@ -41,6 +45,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from imagebuild.build.plan import Variant  # noqa: E402
 from imagebuild.build.publish import pushed_digest  # noqa: E402
 from imagebuild.build.scheduler import git_revision, prepare  # noqa: E402
 from imagebuild.config.matrix import load_matrix  # noqa: E402
@@ -141,7 +146,7 @@ def run_imagebuild(matrix: Path, only: list[str], jobs: int, scratch: Path) -> d
                           env={k: v for k, v in os.environ.items() if k != "IMAGEBUILD_NETRC"})  # progress: stderr
     total = time.monotonic() - started
     report = json.loads((workdir / "build-report.json").read_text())
-    layers = [{"path": rec["path"], "digest": rec["digest"], "status": rec["status"], **(rec.get("steps") or {}),
+    layers = [{"path": rec["path"], "platform": rec.get("platform", ""), "digest": rec["digest"], "status": rec["status"], **(rec.get("steps") or {}),
                "blobs": rec.get("blobs"), "pushed_by": rec.get("pushed_by")} for rec in report["layers"]]
     return {"ok": proc.returncode == 0, "total_s": round(total, 1), "layers": layers,
             "error": None if proc.returncode == 0 else proc.stdout[-3000:]}
@@ -166,7 +171,8 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
         if layer.parent is not None:
             args["IMAGEBUILD_PARENT"] = f"{plan.cache_ref}@{futures[layer.parent].result()}"
         image = f"{plan.cache_ref}:{layer.cache_tag}"
-        cmd = [docker, "build", "--progress=plain", "--label", f"io.imagebuild.layer.key={key}", "-t", image]
+        cmd = [docker, "build", "--progress=plain", "--platform", layer.platform,
+               "--label", f"io.imagebuild.layer.key={key}", "-t", image]
         for name, value in sorted(args.items()):
             cmd += ["--build-arg", f"{name}={value}"]
         cmd += ["--secret", f"id=ca-bundle,src={CA_BUNDLE}", str(dockerfiles / layer.path)]
@@ -182,7 +188,7 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
         if not digest:
             raise RuntimeError(f"docker push {image} failed:\n{push.stdout[-1000:]}{push.stderr[-1000:]}")
         with lock:
-            layers.append({"path": layer.path, "digest": digest, "status": "built",
+            layers.append({"path": layer.path, "platform": layer.platform, "digest": digest, "status": "built",
                            "build_s": round(built - started, 1), "push_s": round(time.monotonic() - built, 1)})
             print(f"[peer] {layers[-1]}", file=sys.stderr, flush=True)
         return digest
@@ -197,7 +203,24 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
                 future.result()
             except RuntimeError as exc:
                 error = error or str(exc)
+    for variant in Selection.parse(only).apply(plan.variants):
+        if error is None and variant.multi_platform:
+            error = peer_index(plan.repository_ref, variant, {p.platform: futures[p.chain[-1]].result()
+                                                          for p in variant.platform_chains}, plan.cache_ref, layers)
     return {"ok": error is None, "total_s": round(time.monotonic() - started, 1), "layers": layers, "error": error}
+
+
+def peer_index(repository: str, variant: Variant, children: dict[str, str], cache_ref: str,
+               layers: list[dict]) -> str | None:
+    """The variant's index by hand: `crane index append` of each platform's release image, under its tag."""
+    started = time.monotonic()
+    manifests = [arg for digest in children.values() for arg in ("-m", f"{cache_ref}@{digest}")]
+    made = sh(CRANE, "index", "append", "--insecure", *manifests, "-t", f"{repository}:{variant.tags[0]}")
+    if made.returncode != 0:
+        return f"crane index append failed:\n{made.stderr[-2000:]}"
+    layers.append({"path": f"index/{variant.id}", "platform": ",".join(children), "status": "built",
+                   "index_s": round(time.monotonic() - started, 1)})
+    return None
 
 
 def sums(side: dict) -> dict[str, float]:
@@ -262,7 +285,7 @@ def main() -> int:
         for layer in side["layers"]:
             steps = "  ".join(f"{k.removesuffix('_s')} {v}" for k, v in layer.items() if k.endswith("_s"))
             by = f"  ({layer['pushed_by']})" if layer.get("pushed_by") else ""
-            print(f"  {layer['path']:62} {steps}{by}")
+            print(f"  {layer['path'] + ' ' + layer.get('platform', ''):62} {steps}{by}")
         print(f"  {'sum over layers':62} " + "  ".join(f"{k.removesuffix('_s')} {v}" for k, v in side["sum"].items()))
         if side["error"]:
             print(f"  error: {side['error']}")

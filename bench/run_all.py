@@ -55,6 +55,8 @@ BENCHES = (
     Bench("oci_copy", "bench_oci_copy.py", quick=("--layer-mib", "20", "--runs", "1"),
           headline=r"^image:|^(new blobs|held elsewhere|again|same registry) "),
     Bench("promote", "bench_promote.py", quick=("--runs", "1"), headline=r"images, .* runs|fastest peer"),
+    Bench("builders", "bench_builders.py", quick=("--chains", "2"), headline=r"^(one|one-wide|two) |^one/",
+          needs_root=True),
     Bench("cold_build", "bench_cold_build.py", quick=("--only", "device=cpu"), headline=r"ratio|imagebuild .* s|peer .* s",
           opt_in=True, why_opt_in="empties the BuildKit cache other builds rely on"),
     Bench("bootstrap", "bench_bootstrap.py", headline=r"built in|bootstrap from nothing", needs_root=True,

@@ -225,6 +225,39 @@ disable_packaged_prometheus() {
 }
 
 # ---------------------------------------------------------------------------------------
+# 1b. foreign architectures (qemu-user-static)
+
+# Debian's qemu-user-static registers its binfmt handlers with the F flag when binfmt_misc is
+# mounted; in a container or a systemd-less host nothing mounts it, and a handler may be left
+# disabled. Every platform of BASE_PLATFORMS other than this machine's needs its handler.
+enable_binfmt() {
+    local native platform arch handler
+    native="$(dpkg --print-architecture)"
+    for platform in $BASE_PLATFORMS; do
+        arch="${platform#linux/}"; arch="${arch%%/*}"
+        [ "$arch" = "$native" ] && continue
+        case "$arch" in
+            arm64) handler=qemu-aarch64 ;;
+            arm) handler=qemu-arm ;;
+            ppc64le) handler=qemu-ppc64le ;;
+            *) handler="qemu-$arch" ;;
+        esac
+        if [ ! -e /proc/sys/fs/binfmt_misc/status ]; then
+            mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc 2>/dev/null \
+                || die "cannot mount binfmt_misc (a container needs --privileged to run $platform binaries)"
+        fi
+        if ! grep -qx enabled "/proc/sys/fs/binfmt_misc/$handler" 2>/dev/null; then
+            update-binfmts --enable "$handler" >/dev/null 2>&1 || true
+        fi
+        grep -qx enabled "/proc/sys/fs/binfmt_misc/$handler" 2>/dev/null \
+            || die "the binfmt handler $handler is not enabled (update-binfmts --enable $handler)"
+        grep -q '^flags: .*F' "/proc/sys/fs/binfmt_misc/$handler" \
+            || die "the binfmt handler $handler lacks the F flag: $platform binaries would not run in containers"
+    done
+    summary "binfmt (qemu)" "$BASE_PLATFORMS" "enabled"
+}
+
+# ---------------------------------------------------------------------------------------
 # 2. Docker Engine + BuildKit
 
 start_dockerd() {
@@ -368,6 +401,8 @@ manifest_digest() {
     headers="$(curl -fsSI --max-time 5 \
         -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
         -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+        -H 'Accept: application/vnd.oci.image.index.v1+json' \
+        -H 'Accept: application/vnd.docker.distribution.manifest.list.v2+json' \
         "http://127.0.0.1:$1/v2/$2/manifests/$3" 2>/dev/null)" || return 1
     printf '%s\n' "$headers" | tr -d '\r' | awk -F': ' 'tolower($1)=="docker-content-digest" {print $2}'
 }
@@ -502,15 +537,15 @@ start_go_tools() {
         find_go
         in_background "$name" go_tool "$name" "$module" "$version"
     done
-    # What only the test command needs (policy-controller's tester, kube-apiserver, kubectl, etcd):
+    # What only the test command needs (buildkitd and buildctl, policy-controller's tester, kube-apiserver, kubectl, etcd):
     # built detached at the lowest priority, so the main job never waits for it; scripts/test.sh
     # waits for that build (scripts/build-test-tools.sh, which takes over if none is running).
     if [ "${IMAGEBUILD_SKIP_TEST_TOOLS:-0}" != 1 ]; then
         if "$SCRIPT_DIR/build-test-tools.sh" --check; then
-            summary "test tools" "policy-tester, kube-apiserver, kubectl, etcd" "present"
+            summary "test tools" "buildkitd, buildctl, policy-tester, kube-apiserver, kubectl, etcd" "present"
         else
             "$SCRIPT_DIR/build-test-tools.sh" --detach
-            summary "test tools" "policy-tester, kube-apiserver, kubectl, etcd" "building in the background"
+            summary "test tools" "buildkitd, buildctl, policy-tester, kube-apiserver, kubectl, etcd" "building in the background"
         fi
     fi
 }
@@ -555,12 +590,14 @@ wait_go_tools() {
 # package set gives the same digest on every machine (docker import stamps the time).
 # Blobs are pushed before the manifest: the tag never names an unfinished image.
 build_base_image() {
-    local port ref digest workdir out recipe stamp
+    local port ref digest workdir out recipe stamp platform
+    local platform_args=()
+    for platform in $BASE_PLATFORMS; do platform_args+=(--platform "$platform"); done
     port="$(staging_port)"
     ref="127.0.0.1:$port/$BASE_REPO:$BASE_TAG"
     # The recipe: what decides the image besides the mirror's state. A base in the registry made
     # by another recipe (an older bootstrap, say one without the security suite) is rebuilt.
-    recipe="$(cat "$REPO_ROOT/imagebuild/build/baseimage.py" - <<<"$BASE_SUITE|$BASE_INCLUDE|$BASE_SOURCE_DATE_EPOCH" \
+    recipe="$(cat "$REPO_ROOT/imagebuild/build/baseimage.py" - <<<"$BASE_SUITE|$BASE_INCLUDE|$BASE_SOURCE_DATE_EPOCH|$BASE_PLATFORMS" \
         | sha256sum | cut -c1-16)"
     stamp="$STATE_DIR/base-image.stamp"
     # IMAGEBUILD_REFRESH_BASE=1: build again from today's mirror (newer security updates).
@@ -575,17 +612,37 @@ build_base_image() {
     # A fresh folder per attempt: the mirror moves, so an old rootfs must not be reused.
     workdir="$STATE_DIR/base/$BASE_SUITE"
     rm -rf "$workdir"
-    log "base image: mmdebstrap $BASE_SUITE (+ -updates, -security), then push $ref (about a minute)"
+    log "base image: mmdebstrap $BASE_SUITE (+ -updates, -security) for $BASE_PLATFORMS, then push $ref" \
+        "(about a minute for this machine's platform, a few under qemu for each other)"
     if ! out="$(cd "$REPO_ROOT" && "$PYTHON" -m imagebuild.build.baseimage build --workdir "$workdir" \
-            --suite "$BASE_SUITE" --include "$BASE_INCLUDE" --epoch "$BASE_SOURCE_DATE_EPOCH" \
+            --suite "$BASE_SUITE" --include "$BASE_INCLUDE" --epoch "$BASE_SOURCE_DATE_EPOCH" "${platform_args[@]}" \
             --push "$ref" 2>"$LOG_DIR/base-image.log")"; then
         show_log_tail "$LOG_DIR/base-image.log"
         die "building the base image failed (mmdebstrap log: $workdir/mmdebstrap.log)"
     fi
     BASE_DIGEST="$(printf '%s\n' "$out" | sed -n 's/.*"digest": *"\([^"]*\)".*/\1/p')"
     printf '%s %s\n' "$recipe" "$BASE_DIGEST" >"$stamp"
-    log "base image: $(wc -l <"$workdir/packages.txt") packages, listed in $workdir/packages.txt"
+    log "base image: $(cat "$workdir"/*/packages.txt "$workdir"/packages.txt 2>/dev/null | wc -l) packages" \
+        "over $(wc -w <<<"$BASE_PLATFORMS") platform(s), listed in $workdir/**/packages.txt"
+    check_base_platforms "127.0.0.1:$port/$BASE_REPO" "$out"
     summary "base image" "$ref" "built"
+}
+
+# Each platform's image runs: the engine picks it from the index, and a foreign one runs under
+# its binfmt handler (what the builds and smoke tests of that platform rely on).
+# By digest, not by tag: pulling the tag for another platform would leave the local tag on that image.
+# check_base_platforms REPO_REF BUILD_JSON
+check_base_platforms() {
+    local platform digest machine want
+    while read -r platform digest; do
+        case "${platform#linux/}" in
+            amd64) want=x86_64 ;; arm64*) want=aarch64 ;; *) continue ;;
+        esac
+        machine="$("$DOCKER" run --rm --platform "$platform" "$1@$digest" uname -m 2>>"$LOG_DIR/base-image.log")" \
+            || die "the $platform base image does not run (log: $LOG_DIR/base-image.log)"
+        [ "$machine" = "$want" ] || die "the $platform base image ran as $machine, not $want"
+    done < <("$PYTHON" -c 'import json, sys
+for platform, digest in json.loads(sys.argv[1])["children"].items(): print(platform, digest)' "$2")
 }
 
 # ---------------------------------------------------------------------------------------
@@ -654,6 +711,7 @@ main() {
     preflight
     start_go_tools                    # background: needs only Go and the module proxy
     install_apt_packages
+    enable_binfmt
     disable_packaged_registry
     disable_packaged_prometheus
     in_background trivy install_trivy

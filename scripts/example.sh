@@ -48,12 +48,14 @@ fi
 imagebuild release --matrix "$matrix" --workdir "$workdir" --policy examples/local/policy.yaml \
   --offline --cache-dir "$trivy_cache" --key "$keys/cosign.key"
 
-# variant id, device and image (repository@sha256:...) of every released variant.
+# variant id, channel and image (repository@sha256:...) of every released variant.
 mapfile -t released < <(python - "$workdir/build-report.json" <<'PY'
 import json, sys
 for variant in json.load(open(sys.argv[1]))["variants"]:
     if variant.get("image"):
-        print(variant["id"], variant["device"], variant["image"])
+        # A variant for several platforms (one index) has a channel of its own beside its device's.
+        channel = "multiarch" if len(variant.get("platforms") or []) > 1 else variant["device"]
+        print(variant["id"], channel, variant["image"])
 PY
 )
 images=()
@@ -82,11 +84,12 @@ imagebuild inspect --trust examples/local/trust.yaml "${images[0]}"
 # webhook's Deployment names the image built above by its digest (the tag resolved now).
 imagebuild policies generate --trust examples/local/trust.yaml --out "$workdir/admission"
 
-# The canary rollout: each variant to its channel (cpu, gpu), eu-west first, then us-east and
-# ap-south, each wave after its gates (a short soak, the signature verified in the region).
+# The canary rollout: each variant to its channel (cpu, gpu; multiarch for the two-platform index),
+# eu-west first, then us-east and ap-south, each wave after its gates (a short soak, the signature
+# verified in the region).
 for line in "${released[@]}"; do
-  read -r variant device image <<<"$line"
-  if python - "$release" "$image" "$device" <<'PY'
+  read -r variant channel image <<<"$line"
+  if python - "$release" "$image" "$channel" <<'PY'
 import sys
 from pathlib import Path
 from imagebuild.oci.client import ImageRef
@@ -99,9 +102,9 @@ for region in config.regions:
             sys.exit(1)
 PY
   then
-    echo "rollout: $variant is already behind channel '$device' in every region; nothing to move"
+    echo "rollout: $variant is already behind channel '$channel' in every region; nothing to move"
   else
-    imagebuild rollout start --release "$release" --image "$image" --channel "$device" --state-dir "$state_dir"
+    imagebuild rollout start --release "$release" --image "$image" --channel "$channel" --state-dir "$state_dir"
   fi
 done
 imagebuild rollout status --release "$release"

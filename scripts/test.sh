@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-# The tools only the tests need (kube-apiserver, etcd, kubectl, policy-controller's tester): bootstrap
+# The tools only the tests need (buildkitd, buildctl, kube-apiserver, etcd, kubectl, policy-controller's tester): bootstrap
 # started their build in the background; this waits for it, or builds what is missing.
 scripts/build-test-tools.sh
 # bootstrap installed the package into this venv; its python and imagebuild come first.

@@ -61,6 +61,13 @@ class Expect:
     gid: Optional[int]
     gpu_requested: bool  # whether the runner asked the engine for GPUs
     extra: Dict[str, Any] = field(default_factory=dict)
+    # The platform the image is for and what follows from it (machine, multiarch, elf_machine), and
+    # whether it runs under emulation here (time_factor scales every limit); {}: not known.
+    platform: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def time_factor(self) -> float:
+        return float(self.platform.get("time_factor") or 1.0)
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "Expect":
@@ -73,6 +80,7 @@ class Expect:
             setuid_allowlist=tuple(data.get("setuid_allowlist", ())),
             uid=data.get("uid"), gid=data.get("gid"),
             gpu_requested=bool(data.get("gpu_requested")), extra=dict(data.get("extra", {})),
+            platform=dict(data.get("platform") or {}),
         )
 
 
@@ -97,10 +105,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects, so an unmarked extra test counts as abi
-def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    expect = config.stash[_EXPECT]
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.abi)
+        elif item.get_closest_marker("gpu") is not None and expect.platform.get("emulated"):
+            # A mark, not a fixture: skipped before any fixture imports Paddle (seconds under emulation).
+            # qemu-user passes no GPU through, and its timing means nothing.
+            item.add_marker(pytest.mark.skip(reason=f"{expect.platform.get('platform')} runs under emulation on "
+                                                    "this host: the gpu tier runs only natively"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -161,10 +175,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def time_limit(item: pytest.Item) -> float:
+    """The test's own limit, scaled for an image that runs under emulation (everything takes longer there)."""
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args:
-        return float(marker.args[0])
-    return float(item.config.getini(TIMEOUT_INI))
+        limit = float(marker.args[0])
+    else:
+        limit = float(item.config.getini(TIMEOUT_INI))
+    return limit * item.config.stash[_EXPECT].time_factor
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -305,7 +322,7 @@ _FACTS = pytest.StashKey[PaddleFacts]()
 def session_paddle_facts(config: pytest.Config) -> PaddleFacts:
     """What Paddle says about itself, asked once per session in a process of its own."""
     if _FACTS not in config.stash:
-        config.stash[_FACTS] = paddle_facts(PADDLE_IMPORT_TIMEOUT_S)
+        config.stash[_FACTS] = paddle_facts(PADDLE_IMPORT_TIMEOUT_S * config.stash[_EXPECT].time_factor)
     return config.stash[_FACTS]
 
 

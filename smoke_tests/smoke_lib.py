@@ -164,6 +164,19 @@ def elf_sections(f: BinaryIO) -> List[Section]:
     return [Section(_c_string(names, s[0]), s[1], s[4], s[5], s[6]) for s in raw]
 
 
+def elf_machine(path: str) -> Optional[int]:
+    """An ELF file's e_machine (62: x86-64, 183: aarch64); None for a file that is not little-endian ELF64."""
+    try:
+        with open(path, "rb") as f:
+            header = _ELF_HEADER.unpack(_read_at(f, 0, _ELF_HEADER.size))
+    except (OSError, ValueError, struct.error):
+        return None
+    ident = header[0]
+    if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+        return None
+    return int(header[2])
+
+
 def _c_string(table: bytes, offset: int) -> str:
     return table[offset:table.index(b"\0", offset)].decode("ascii", "replace")
 

@@ -7,10 +7,14 @@ training loop.
 from __future__ import annotations
 
 import ctypes
+import glob
+import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from typing import Dict, List
 
 import pytest
@@ -18,6 +22,7 @@ from smoke_lib import (
     NOT_REQUIRED,
     assert_learns,
     cudnn_version_string,
+    elf_machine,
     major_minor,
     parse_ldconfig,
     probe_loader,
@@ -167,6 +172,47 @@ def test_cudnn_library_is_the_matrix_cudnn(expect):
     want = major_minor(expect.cudnn)
     ok = major_minor(found)[0] == want[0] and major_minor(found) >= want
     assert ok, f"the image's cuDNN library ({soname}) is {found}, the matrix says cuDNN {expect.cudnn}"
+
+
+# --- the platform ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def arch(expect):
+    """What the image's platform means inside it; skips where the runner did not know the platform."""
+    if not expect.platform.get("machine"):
+        pytest.skip("the image's platform is not known to the runner (an image by reference without a matrix)")
+    return expect.platform
+
+
+def test_runs_as_the_platform_machine(arch):
+    found = platform.machine()
+    assert found == arch["machine"], f"uname -m is {found}, but the image is for {arch['platform']} ({arch['machine']})"
+
+
+def test_libraries_live_in_the_platform_multiarch_folder(arch):
+    found = sysconfig.get_config_var("MULTIARCH")
+    assert found == arch["multiarch"], f"Python's MULTIARCH is {found!r}, {arch['platform']} has {arch['multiarch']!r}"
+    assert os.path.isdir(f"/usr/lib/{arch['multiarch']}"), f"/usr/lib/{arch['multiarch']} is missing"
+
+
+def test_paddle_is_built_for_the_platform(arch, facts):
+    """Paddle's own libraries (libpaddle, libphi) are ELF files of the platform's machine.
+
+    Only Paddle's own: PyPI's aarch64 wheels of 3.2.2 carry x86-64 copies of libblas, liblapack,
+    libgfortran and libquadmath in paddle/libs that nothing on aarch64 opens; they are noted, not failed.
+    """
+    spec = importlib.util.find_spec("paddle")
+    folder = list(spec.submodule_search_locations or ())[0] if spec else None
+    assert folder, "Paddle is not installed for this image's `python`"
+    own = sorted(glob.glob(os.path.join(folder, "*", "libpaddle*.so")) + glob.glob(os.path.join(folder, "libs", "libphi*.so*")))
+    assert own, f"no libpaddle*.so under {folder}/*/ and no libphi*.so under {folder}/libs"
+    wrong = [f"{path} ({elf_machine(path)})" for path in own if elf_machine(path) != arch["elf_machine"]]
+    assert not wrong, f"not {arch['platform']} (e_machine {arch['elf_machine']}): " + ", ".join(wrong)
+    foreign = [path for path in sorted(glob.glob(os.path.join(folder, "libs", "*.so*")))
+               if path not in own and elf_machine(path) not in (None, arch["elf_machine"])]
+    if foreign:
+        print(f"note: {len(foreign)} library file(s) in paddle/libs of another machine: " + ", ".join(foreign))
 
 
 # --- the interpreter, the user, the files ------------------------------------------------

@@ -17,7 +17,9 @@ from imagebuild.build.baseimage import (
     SourcesError,
     base_sources,
     compose,
+    debian_architecture,
     host_sources,
+    index_of,
     installed_packages,
     parse_deb822,
     parse_one_line,
@@ -144,3 +146,31 @@ def test_another_epoch_or_package_set_gives_another_digest(tmp_path):
     assert compose(rootfs, tmp_path / "b", 1747699201, "amd64", "x").digest != base
     other = rootfs_tar(tmp_path / "other.tar", STATUS.replace("deb12u1", "deb12u2"))
     assert compose(other, tmp_path / "c", 1747699200, "amd64", "x").digest != base
+
+
+@pytest.mark.parametrize("platform, debian", [("linux/amd64", "amd64"), ("linux/arm64", "arm64"),
+                                              ("linux/arm64/v8", "arm64"), ("linux/arm/v7", "armhf"),
+                                              ("linux/ppc64le", "ppc64el"), ("linux/386", "i386")])
+def test_a_platform_names_the_debian_architecture_mmdebstrap_builds(platform, debian):
+    assert debian_architecture(platform) == debian
+
+
+@pytest.mark.parametrize("platform", ["windows/amd64", "arm64", "linux/", ""])
+def test_a_platform_that_is_not_linux_is_refused_as_bad_input(platform):
+    with pytest.raises(SourcesError, match="not a Linux platform"):
+        debian_architecture(platform)
+
+
+def test_the_index_of_several_platforms_names_each_image_in_order_with_its_platform(tmp_path):
+    rootfs = rootfs_tar(tmp_path / "rootfs.tar", STATUS)
+    amd64 = compose(rootfs, tmp_path / "amd64", 1747699200, "amd64", "x")
+    arm64 = compose(rootfs, tmp_path / "arm64", 1747699200, "arm64", "x")
+    assert amd64.digest != arm64.digest  # the config names the architecture
+    raw = index_of({"linux/amd64": amd64, "linux/arm64": arm64})
+    assert raw == index_of({"linux/amd64": amd64, "linux/arm64": arm64})
+    index = json.loads(raw)
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert [(m["digest"], m["size"], m["platform"]) for m in index["manifests"]] == [
+        (amd64.digest, len(amd64.manifest), {"architecture": "amd64", "os": "linux"}),
+        (arm64.digest, len(arm64.manifest), {"architecture": "arm64", "os": "linux"})]
+    assert {m["mediaType"] for m in index["manifests"]} == {"application/vnd.docker.distribution.manifest.v2+json"}

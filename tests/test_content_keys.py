@@ -102,9 +102,9 @@ def package_templates() -> Path:
 
 def test_the_key_function_is_pinned():
     """Caches in every registry are keyed by this. Changing the function means bumping KEY_VERSION."""
-    assert KEY_VERSION == 1
+    assert KEY_VERSION == 2
     key = content_key("base", {"Dockerfile": "FROM scratch\n"}, {"IMAGEBUILD_BASE": "docker.io/library/debian:12"}, None)
-    assert key == "64e904615a4f173d48f7c0a601b4ee95223b0d0217f43c4c570fc524aedd1220"
+    assert key == "08709292c0da80a8db935bc888cff008f9f968210bba0db584932605e0fc8671"
 
 
 def test_the_key_ignores_the_order_of_files_and_args():
@@ -202,8 +202,8 @@ def test_changing_the_cuda_image_digest_changes_every_layer_built_on_it(plan_of)
 
 def test_an_unpinned_base_resolving_to_a_new_digest_changes_keys_but_not_dockerfiles(plan_of):
     unpinned = edit(KEYS, f'digest: "{DEBIAN_DIGEST}", ', "")
-    monday = plan_of(unpinned, resolved={"docker.io/library/debian:12": "sha256:" + "5" * 64})
-    tuesday = plan_of(unpinned, resolved={"docker.io/library/debian:12": "sha256:" + "6" * 64})
+    monday = plan_of(unpinned, resolved={("docker.io/library/debian:12", "linux/amd64"): "sha256:" + "5" * 64})
+    tuesday = plan_of(unpinned, resolved={("docker.io/library/debian:12", "linux/amd64"): "sha256:" + "6" * 64})
     assert changed(monday, tuesday) == {0: ALL[0], 1: ALL[1]}
     assert monday.rendered_files() == tuesday.rendered_files()
 

@@ -282,15 +282,19 @@ def test_production_takes_cuda_from_nvidias_images(production):
     assert roots and all(layer.kind == "cuda" and layer.root.image.startswith("nvidia/cuda:") for layer in roots)
 
 
-def test_example_has_exactly_two_variants(example):
-    assert len(example.combinations) == 2
+def test_example_has_exactly_three_variants(example):
+    assert len(example.combinations) == 3
 
 
-def test_example_cpu_variant_runs_paddle_3_3_1(example):
+def test_example_cpu_variants_run_the_newest_paddle_and_the_newest_with_arm64_wheels(example):
     plan = build_plan(example)
-    [cpu] = [v for v in plan.variants if v.device == "cpu"]
-    assert cpu.paddle == "3.3.1"
-    assert "paddlepaddle==3.3.1" in plan.layers[cpu.chain[-2]].dockerfile
+    cpu = {v.paddle: v for v in plan.variants if v.device == "cpu"}
+    assert sorted(cpu) == ["3.2.2", "3.3.1"]
+    assert cpu["3.3.1"].platforms == ("linux/amd64",)
+    assert "paddlepaddle==3.3.1" in plan.layers[cpu["3.3.1"].chain[-2]].dockerfile
+    assert cpu["3.2.2"].platforms == ("linux/amd64", "linux/arm64")
+    for platform in cpu["3.2.2"].platform_chains:
+        assert "paddlepaddle==3.2.2" in plan.layers[platform.chain[-2]].dockerfile
 
 
 def test_example_gpu_variant_runs_paddle_2_6_2_on_cuda_11_8_cudnn_8_6_from_nvidias_wheels(example):
@@ -304,9 +308,12 @@ def test_example_gpu_variant_runs_paddle_2_6_2_on_cuda_11_8_cudnn_8_6_from_nvidi
     assert "paddlepaddle-gpu==2.6.2" in plan.layers[gpu.chain[3]].dockerfile
 
 
-def test_example_variants_share_their_base_layer(example):
-    cpu, gpu = sorted(build_plan(example).variants, key=lambda v: v.device)
-    assert cpu.chain[0] == gpu.chain[0]
+def test_example_variants_share_their_base_layer_per_platform(example):
+    plan = build_plan(example)
+    amd64 = {v.platform_chains[0].chain[0] for v in plan.variants}
+    assert len(amd64) == 1
+    [arm64] = [p for v in plan.variants for p in v.platform_chains if p.platform == "linux/arm64"]
+    assert arm64.chain[0] not in amd64 and plan.layers[arm64.chain[0]].path == plan.layers[next(iter(amd64))].path
 
 
 # --- --only on plan variants (imagebuild.config.selection) --------------------------------------------------------------

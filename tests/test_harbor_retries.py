@@ -108,8 +108,13 @@ def test_a_get_whose_answer_was_lost_is_sent_again_but_a_post_that_may_have_reac
 def test_a_post_whose_connection_was_refused_is_sent_once_harbor_listens(serve):
     server = serve(lambda handler, number: reply(handler, 201, {}, {"Location": "/api/v2.0/projects/7"}),
                    listen=False)
-    threading.Timer(0.3, server.listen).start()
     with harbor.HarborClient(server.url, CREDENTIALS, retries=10, backoff=0.1) as client:
+        def listen_once_refused() -> None:  # after a refusal the client has seen, however slow the machine
+            while not client.retry_log.retries:
+                time.sleep(0.01)
+            server.listen()
+
+        threading.Thread(target=listen_once_refused, daemon=True).start()
         response = client.request("POST", "/projects", what="create project paddle",
                                   json={"project_name": "paddle"}, expect=(201,))
     assert response.status_code == 201 and server.seen == ["POST /api/v2.0/projects"]

@@ -36,12 +36,13 @@ def public_pem() -> str:
                                          serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
 
-WEBHOOK_IMAGE = "registry.test/team/admission:1@sha256:" + "ab" * 32  # by digest: no registry is asked
+WEBHOOK_IMAGE = "registry.test/team/admission:1@sha256:" + "ab" * 32  # by digest (generate would verify it)
 
 
 def write_config(folder: Path, *, keys: int = 1, mode: str = "enforce", failure_policy: str = "fail",
                  require: str = "{attestations: [sbom, vuln, smoke, gate], smoke_passed: true, gate_passed: true, "
-                                "block_severity: HIGH}", image: str = WEBHOOK_IMAGE, more: str = "") -> Path:
+                                "block_severity: HIGH}", image: str | None = WEBHOOK_IMAGE, more: str = "") -> Path:
+    """image: webhook.image (None: not named, the placeholder, which the CLI writes with --keep-webhook-tag)."""
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
     for n in range(keys):
@@ -55,7 +56,8 @@ def write_config(folder: Path, *, keys: int = 1, mode: str = "enforce", failure_
         "images:\n  - \"registry.test/team/**\"\n  - \"127.0.0.1:5000/solo/*\"\n"
         f"require: {require}\n"
         f"failure_policy: {failure_policy}\n"
-        f"webhook: {{namespace: admit-ns, name: admit, image: \"{image}\", port: 9443}}\n" + more)
+        "webhook: {namespace: admit-ns, name: admit, " + (f'image: "{image}", ' if image else "") + "port: 9443}\n"
+        + more)
     return path
 
 
@@ -74,6 +76,13 @@ def webhook_documents(files: dict[str, str]) -> dict[str, dict[str, Any]]:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return run_imagebuild(*args, cwd=ROOT)
+
+
+def placeholder_generate(config_path: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`policies generate` of a trust file naming no webhook image (write_config(image=None)): no registry
+    is asked, nothing verified (a named image is: tests/test_webhook_image.py, tests/e2e/test_webhook_image.py)."""
+    return run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--keep-webhook-tag",
+                   *args)
 
 
 # --- CRD schemas ----------------------------------------------------------------------------
@@ -123,6 +132,27 @@ def test_schema_check_refuses_a_wrong_enum_value(tmp_path: Path) -> None:
 # --- what the policies say -------------------------------------------------------------------
 
 
+def authority(cip: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The ClusterImagePolicy's one authority whose name starts with `prefix` (a one-key trust file)."""
+    [found] = [a for a in cip["authorities"] if a["name"].startswith(prefix)]
+    return found
+
+
+def test_an_index_passes_only_on_its_own_release_record_of_passed_platforms(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{attestations: [provenance], smoke_passed: true, gate_passed: true}"))
+    cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    release, provenance = authority(cip, "idx-")["attestations"]
+    assert (release["name"], provenance["name"]) == ("release", "provenance")
+    rego = release["policy"]["data"]
+    # a child's record names no platforms; an index's names each with its outcomes, all passed
+    assert "count(input.predicate.platforms) > 0" in rego
+    assert 'input.predicate.platforms[j].smoke != "passed"' in rego
+    assert 'input.predicate.platforms[j].gate != "passed"' in rego
+    assert 'input.predicate.digest == concat(":", ["sha256", input.subject[i].digest.sha256])' in rego
+    assert "buildDefinition.buildType" in provenance["policy"]["data"]
+    assert [a["name"] for a in cip["authorities"]][-1].startswith("att-")  # its reasons are the ones reported
+
+
 def test_rotation_lists_every_key_and_any_one_suffices(tmp_path: Path) -> None:
     config_path = write_config(tmp_path, keys=2)
     pems = [p.read_text().strip() for p in sorted(tmp_path.glob("key*.pub"))]
@@ -133,6 +163,7 @@ def test_rotation_lists_every_key_and_any_one_suffices(tmp_path: Path) -> None:
     attestation_keys = [a["key"]["data"].strip() for a in cip["authorities"] if a["name"].startswith("att-")]
     assert signature_keys == pems and attestation_keys == pems
     assert [a["name"] for a in cip["authorities"]] == ["sig-release-2026", "sig-release-2027",
+                                                        "idx-release-2026", "idx-release-2027",
                                                         "att-release-2026", "att-release-2027"]
 
     verify = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"][0]["verifyImages"][0]
@@ -220,13 +251,13 @@ def test_without_requirements_a_signature_alone_admits(tmp_path: Path) -> None:
 def test_gate_passed_alone_still_requires_the_gate_attestation(tmp_path: Path) -> None:
     files = generated(write_config(tmp_path, require="{gate_passed: true}"))
     cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
-    assert [a["name"] for a in cip["authorities"][1]["attestations"]] == ["gate"]
+    assert [a["name"] for a in authority(cip, "att-")["attestations"]] == ["gate"]
 
 
 def test_block_severity_alone_requires_the_vuln_report_and_a_passed_gate(tmp_path: Path) -> None:
     files = generated(write_config(tmp_path, require="{block_severity: CRITICAL}"))
     cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
-    attestations = cip["authorities"][1]["attestations"]
+    attestations = authority(cip, "att-")["attestations"]
     assert [a["name"] for a in attestations] == ["vuln", "gate"]
     assert 'input.predicate.decision == "passed"' in attestations[1]["policy"]["data"]
     ivp = document(files, policies.KYVERNO_IMAGE_VALIDATING_POLICY)["spec"]
@@ -242,7 +273,7 @@ def test_policies_requiring_provenance_validate_against_their_crds(tmp_path: Pat
 def test_required_provenance_must_be_imagebuilds_build_in_every_policy(tmp_path: Path) -> None:
     files = generated(write_config(tmp_path, require="{attestations: [provenance]}"))
     cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
-    [attestation] = cip["authorities"][1]["attestations"]
+    [attestation] = authority(cip, "att-")["attestations"]
     assert attestation["predicateType"] == "https://slsa.dev/provenance/v1"
     assert ('input.predicate.buildDefinition.buildType == "https://imagebuild.dev/build/v1"'
             in attestation["policy"]["data"])
@@ -356,13 +387,13 @@ def test_listed_namespaces_are_labelled_for_pod_security_admission(tmp_path: Pat
 
 
 def test_without_namespaces_no_namespaces_file_is_written_and_a_stale_one_goes(tmp_path: Path) -> None:
-    config_path = write_config(tmp_path / "cfg", more="namespaces: [training]\n")
+    config_path = write_config(tmp_path / "cfg", image=None, more="namespaces: [training]\n")
     assert policies.NAMESPACES not in generated(write_config(tmp_path / "plain"))
     out = tmp_path / "out"
-    assert run_cli("policies", "generate", "--config", str(config_path), "--out", str(out)).returncode == 0
+    assert placeholder_generate(config_path, out).returncode == 0
     assert (out / policies.NAMESPACES).is_file()
-    write_config(tmp_path / "cfg")  # the list removed
-    rerun = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    write_config(tmp_path / "cfg", image=None)  # the list removed
+    rerun = placeholder_generate(config_path, out)
     assert rerun.returncode == 0 and f"stale     {policies.NAMESPACES}" in rerun.stdout
     assert not (out / policies.NAMESPACES).exists()
 
@@ -382,23 +413,43 @@ def test_a_bad_namespaces_key_is_one_line_exit_2_and_nothing_written(tmp_path: P
 # --- the webhook's image, by digest ---------------------------------------------------------
 
 
-def test_a_webhook_image_by_digest_is_used_as_written_without_asking_its_registry(tmp_path: Path) -> None:
-    unreachable = "127.0.0.1:9/team/admission:1@sha256:" + "ef" * 32  # the discard port: nothing answers
+def test_a_webhook_image_by_digest_is_verified_too_and_refused_writes_nothing(tmp_path: Path) -> None:
+    """Outside the trust file's images, as the webhook would refuse it: no registry is asked to know that."""
+    uncovered = "127.0.0.1:9/team/admission:1@sha256:" + "ef" * 32  # the discard port: nothing answers
+    config_path, out = write_config(tmp_path / "cfg", image=uncovered), tmp_path / "out"
+    line = next(n for n, text in enumerate(config_path.read_text().splitlines(), 1) if text.startswith("webhook:"))
+    result = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    assert result.returncode == 1 and not out.exists()
+    assert result.stderr.strip().splitlines() == [
+        f"error: generate: WebhookImageRefused: webhook.image {uncovered} ({config_path}:{line}) refused, as the "
+        "webhook would refuse it: not covered by the policy: 127.0.0.1:9/team/admission matches none of its images "
+        "(registry.test/team/**, 127.0.0.1:5000/solo/*)"]
+
+
+def test_the_insecure_flag_writes_a_digest_unverified_with_a_warning_and_asks_no_registry(tmp_path: Path) -> None:
+    unreachable = "127.0.0.1:9/team/admission:1@sha256:" + "ef" * 32
     out = tmp_path / "out"
     result = run_cli("policies", "generate", "--config", str(write_config(tmp_path / "cfg", image=unreachable)),
-                     "--out", str(out))
+                     "--out", str(out), "--insecure-unverified-webhook-image")
     assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: webhook.image {unreachable} is NOT verified (--insecure-unverified-webhook-image): the "
+        "webhook's Deployment runs it though no trusted key may vouch for it, and whoever can push to "
+        "127.0.0.1:9/team/admission may have chosen it; sign it and generate again without the flag"]
     (container,) = webhook_documents({policies.WEBHOOK_MANIFESTS: (out / policies.WEBHOOK_MANIFESTS).read_text()})[
         "Deployment"]["spec"]["template"]["spec"]["containers"]
     assert container["image"] == unreachable
 
 
-def test_keep_webhook_tag_writes_the_tag_without_asking_its_registry(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    result = run_cli("policies", "generate", "--config", str(write_config(tmp_path / "cfg", image="127.0.0.1:9/t/a:1")),
-                     "--out", str(out), "--keep-webhook-tag")
-    assert result.returncode == 0, result.stderr
-    assert "image: 127.0.0.1:9/t/a:1\n" in (out / policies.WEBHOOK_MANIFESTS).read_text()
+def test_keep_webhook_tag_is_refused_for_a_named_image(tmp_path: Path) -> None:
+    """It writes the placeholder only: a tag kept unpinned and unverified is what anyone who can push it chooses."""
+    config_path, out = write_config(tmp_path / "cfg", image="127.0.0.1:9/t/a:1"), tmp_path / "out"
+    line = next(n for n, text in enumerate(config_path.read_text().splitlines(), 1) if text.startswith("webhook:"))
+    result = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--keep-webhook-tag")
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr.strip().splitlines() == [
+        f"error: {config_path}:{line}: webhook.image: --keep-webhook-tag writes only the placeholder (a trust file "
+        "naming no webhook image); 127.0.0.1:9/t/a:1 is verified and pinned: drop the flag"]
 
 
 def test_a_webhook_image_that_is_no_reference_is_bad_input_naming_its_line(tmp_path: Path) -> None:
@@ -411,6 +462,7 @@ def test_a_webhook_image_that_is_no_reference_is_bad_input_naming_its_line(tmp_p
 
 
 def test_a_trust_file_naming_no_webhook_image_needs_keep_webhook_tag(tmp_path: Path) -> None:
+    """which writes the placeholder as it is: no image of anyone's, nothing to resolve or verify."""
     config_path = write_config(tmp_path / "cfg")
     config_path.write_text(re.sub(r"^webhook:.*\n", "", config_path.read_text(), flags=re.M))
     out = tmp_path / "out"
@@ -421,6 +473,7 @@ def test_a_trust_file_naming_no_webhook_image_needs_keep_webhook_tag(tmp_path: P
         f"or pass --keep-webhook-tag for the placeholder {WebhookSettings().image}"]
     kept = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--keep-webhook-tag")
     assert kept.returncode == 0, kept.stderr
+    assert kept.stderr == "" and f"image: {WebhookSettings().image}\n" in (out / policies.WEBHOOK_MANIFESTS).read_text()
 
 
 def test_webhook_serves_the_trust_config_with_tls_from_a_secret(tmp_path: Path) -> None:
@@ -538,30 +591,31 @@ def test_same_config_gives_the_same_bytes_and_every_file_says_where_it_came_from
 
 
 def test_generate_writes_then_check_passes_and_finds_drift(tmp_path: Path) -> None:
-    config_path = write_config(tmp_path / "cfg")
+    config_path = write_config(tmp_path / "cfg", image=None)
     out = tmp_path / "out"
-    written = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--format", "json")
+    written = placeholder_generate(config_path, out, "--format", "json")
     assert written.returncode == 0, written.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted([*CRD_OF, policies.WEBHOOK_MANIFESTS])
     (out / "kustomization.yaml").write_text("resources: []\n")  # someone else's file: left alone
 
-    clean = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--check")
+    clean = placeholder_generate(config_path, out, "--check")
     assert clean.returncode == 0, clean.stderr
 
     target = out / policies.KYVERNO_CLUSTER_POLICY
     target.write_text(target.read_text().replace("Enforce", "Audit"))
-    drifted = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out), "--check")
+    drifted = placeholder_generate(config_path, out, "--check")
     assert drifted.returncode == 1
     assert f"changed   {policies.KYVERNO_CLUSTER_POLICY}" in drifted.stderr
     assert "Audit" in target.read_text()  # --check writes nothing
 
-    rerun = run_cli("policies", "generate", "--config", str(config_path), "--out", str(out))
+    rerun = placeholder_generate(config_path, out)
     assert rerun.returncode == 0 and "1 changed" in rerun.stdout
     assert (out / "kustomization.yaml").read_text() == "resources: []\n"
 
 
 def test_committed_production_policies_are_up_to_date() -> None:
-    result = run_cli("policies", "generate", "--check")
+    """As CI checks them: policies/trust.yaml names no webhook image yet (its placeholder, like its key)."""
+    result = run_cli("policies", "generate", "--check", "--keep-webhook-tag")
     assert result.returncode == 0, result.stderr
 
 

@@ -358,9 +358,18 @@ _CIP_LEVEL_POLICY = (
     "  startswith(name, \"att-\")\n"
     "  count(input.authorityMatches[name].attestations) > 0\n"
     "}\n"
+    "recorded {\n"
+    "  some name\n"
+    "  startswith(name, \"idx-\")\n"
+    "  count(input.authorityMatches[name].attestations) > 0\n"
+    "}\n"
     "isCompliant {\n"
     "  signed\n"
     "  attested\n"
+    "}\n"
+    "isCompliant {\n"
+    "  signed\n"
+    "  recorded\n"
     "}\n"
 )
 
@@ -369,7 +378,17 @@ def cluster_image_policy(config: TrustConfig) -> dict[str, Any]:
     """One `sig-<key>` authority per key (any one admits). With attestations required, also one
     `att-<key>` authority per key and a policy over both: policy-controller admits on a single
     matching authority, and an attestation authority checks attestations only, not the image's
-    own signature, so the CIP-level policy asks for a signature *and* the attestations."""
+    own signature, so the CIP-level policy asks for a signature *and* the attestations.
+
+    A Pod may name a multi-platform image by its index digest (or a tag of it) or one platform's
+    image by its digest, and policy-controller verifies exactly the digest named, never an index's
+    children. A child carries its attestations about itself (`att-`); an index carries its signature
+    and its release record (`idx-<key>`: a signed release attestation about this digest that names
+    its platforms, each with the smoke and gate outcome the policy requires, and the provenance
+    where that is required). imagebuild signs such a record only for an index every child of which
+    passed, and a child's own record names no platforms. So either a signature and the attestations,
+    or a signature and an index's release record, admits: both spellings of a release pass, and the
+    children themselves are judged by the webhook (`imagebuild verify`), which reads them."""
     ids = key_ids(config.keys)
     authorities: list[dict[str, Any]] = [
         {"name": f"sig-{kid}", "key": {"data": _pem(key), "hashAlgorithm": "sha256"}}
@@ -378,6 +397,13 @@ def cluster_image_policy(config: TrustConfig) -> dict[str, Any]:
     wanted = required_attestations(config)
     if wanted:
         attestations = [_cip_attestation(config, name) for name in wanted]
+        # policy-controller reports the last failing authority's reason: `att-` goes last, as its
+        # reasons (which attestation, which rego) are the ones a single-platform image is refused for.
+        authorities += [
+            {"name": f"idx-{kid}", "key": {"data": _pem(key), "hashAlgorithm": "sha256"},
+             "attestations": _cip_index_attestations(config, wanted)}
+            for kid, key in zip(ids, config.keys)
+        ]
         authorities += [
             {"name": f"att-{kid}", "key": {"data": _pem(key), "hashAlgorithm": "sha256"},
              "attestations": attestations}
@@ -402,6 +428,46 @@ _REGO_PROVENANCE_POLICY = (
     f"  input.predicate.buildDefinition.buildType == \"{BUILD_TYPE}\"\n"
     "}\n"
 )
+
+
+def _rego_index_release_policy(config: TrustConfig) -> str:
+    """Rego over an index's release record: it is about this very digest, it names at least one
+    platform (a child's own record names none, so a single-platform image never passes as an index),
+    and every platform it names passed what the policy requires of a single image."""
+    outcomes = []
+    if config.require.smoke_passed:
+        outcomes.append("smoke")
+    if gate_decision_required(config):
+        outcomes.append("gate")
+    failing = "".join(
+        "failing {\n"
+        "  some j\n"
+        f"  input.predicate.platforms[j].{field} != \"passed\"\n"
+        "}\n"
+        for field in outcomes
+    )
+    return (
+        "package sigstore\n"
+        "default isCompliant = false\n"
+        "default failing = false\n"
+        f"{failing}"
+        "isCompliant {\n"
+        "  count(input.predicate.platforms) > 0\n"
+        "  not failing\n"
+        "  some i\n"
+        "  input.predicate.digest == concat(\":\", [\"sha256\", input.subject[i].digest.sha256])\n"
+        "}\n"
+    )
+
+
+def _cip_index_attestations(config: TrustConfig, wanted: Iterable[str]) -> list[dict[str, Any]]:
+    """What an index's `idx-` authority asks for: its release record naming children that passed,
+    and its provenance where the policy requires provenance (the index carries its own)."""
+    entries: list[dict[str, Any]] = [{"name": "release", "predicateType": PREDICATE_TYPES["release"],
+                                      "policy": {"type": "rego", "data": _rego_index_release_policy(config)}}]
+    if "provenance" in wanted:
+        entries.append(_cip_attestation(config, "provenance"))
+    return entries
 
 
 def _cip_attestation(config: TrustConfig, name: str) -> dict[str, Any]:

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from imagebuild.admission.review import Verdict
-from imagebuild.config.trust import QuarantineSource
+from imagebuild.config.trust import QuarantineSource, TrustConfig
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import safe_text
 from imagebuild.oci import names
 from imagebuild.oci.client import Registry, RegistryError, RegistryUnreachable
 from imagebuild.rollout.quarantine import MEDIA_TYPE, quarantine_tag
+from imagebuild.trust.verify import ImageVerdict
 
 MAX_MARK_MANIFEST_BYTES = 16 << 10  # one layer and an annotation
 MAX_MARK_BYTES = 256 << 10  # a reason and the blocking findings of one scan
@@ -150,12 +151,26 @@ def with_quarantine(verify: Callable[[str], Verdict], marks: QuarantineMarks | N
         verdict = verify(image)
         if not verdict.allowed or verdict.digest is None:
             return verdict
-        try:
-            why = marks.refusal(verdict.digest)
-        except RegistryUnreachable as err:
-            return QuarantineVerdict(image, verdict.digest, f"quarantine marks unreachable: {err}", unreachable=True)
-        except RegistryError as err:
-            return QuarantineVerdict(image, verdict.digest, f"quarantine marks cannot be read: {err}")
-        return verdict if why is None else QuarantineVerdict(image, verdict.digest, why)
+        # An index admits every child a node may pick: a mark on any of them refuses it.
+        covered = verdict.digests if isinstance(verdict, ImageVerdict) else (verdict.digest,)
+        for digest in covered:
+            try:
+                why = marks.refusal(digest)
+            except RegistryUnreachable as err:
+                return QuarantineVerdict(image, verdict.digest, f"quarantine marks unreachable: {err}",
+                                         unreachable=True)
+            except RegistryError as err:
+                return QuarantineVerdict(image, verdict.digest, f"quarantine marks cannot be read: {err}")
+            if why is not None:
+                child = "" if digest == verdict.digest else f"its child {digest} is "
+                return QuarantineVerdict(image, verdict.digest, child + why)
+        return verdict
 
     return check
+
+
+def webhook_checks(config: TrustConfig, verify: Callable[[str], Verdict]) -> Callable[[str], Verdict]:
+    """What the webhook asks of every image (`admission serve` and `review`, and `policies generate` of the
+    webhook's own): verify's verdict (a Verifier of CONFIG), then the quarantine marks of the state
+    repository the config names, if any."""
+    return with_quarantine(verify, QuarantineMarks(config.quarantine) if config.quarantine is not None else None)

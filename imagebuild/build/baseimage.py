@@ -11,7 +11,12 @@ The packages come from the suite and its -updates and -security suites, found in
 machine's own apt configuration (a site with its own mirror needs no change here), or from
 IMAGEBUILD_BASE_MIRROR / IMAGEBUILD_BASE_SECURITY_MIRROR.
 
-    python -m imagebuild.build.baseimage build --workdir DIR [--push REGISTRY/REPO:TAG]
+    python -m imagebuild.build.baseimage build --workdir DIR [--platform linux/arm64 ...] [--push REGISTRY/REPO:TAG]
+
+One `--platform` (default: this machine's) makes one image. Several make one image per platform,
+each in its own folder of DIR (another architecture's rootfs is made under qemu-user-static's binfmt
+handler), and the push sends every image by digest before the OCI index that names them goes under
+the tag: the tag never names an index with a child missing.
 
 Everything up to the push uses the standard library only, so the same build runs inside a
 bare container with nothing but python3 and mmdebstrap.
@@ -181,14 +186,19 @@ def base_sources(available: list[AptSource], suite: str, env: dict[str, str] | N
 # --- the rootfs -------------------------------------------------------------------------------------
 
 
-def mmdebstrap(sources: list[AptSource], suite: str, include: str, epoch: int, target: Path, log: Path) -> None:
-    """A minimal Debian rootfs tar. No device nodes: the container runtime supplies /dev."""
+def mmdebstrap(sources: list[AptSource], suite: str, include: str, epoch: int, target: Path, log: Path,
+               arch: str | None = None) -> None:
+    """A minimal Debian rootfs tar. No device nodes: the container runtime supplies /dev. `arch`: a Debian
+    architecture other than this machine's (its maintainer scripts run under qemu's binfmt handler)."""
     exe = shutil.which("mmdebstrap")
     if exe is None:
         raise ToolMissingError("mmdebstrap is not installed (Debian: apt-get install mmdebstrap; "
                                "scripts/bootstrap.sh installs it)")
     partial = target.with_name(target.name + ".partial")
-    command = [exe, "--variant=minbase", "--format=tar", "--skip=output/dev", f"--include={include}",
+    # No --arch for this machine's own architecture: the command (and so the rootfs) stays what it
+    # always was, and the native image keeps its digest.
+    foreign = [f"--architectures={arch}"] if arch else []
+    command = [exe, "--variant=minbase", "--format=tar", "--skip=output/dev", *foreign, f"--include={include}",
                f"--customize-hook={ROOTFS_HOOK}", suite, str(partial), *(s.line() for s in sources)]
     proc = Runner().run(command, log=log, env={"SOURCE_DATE_EPOCH": str(epoch)})
     if proc.returncode != 0:
@@ -311,6 +321,21 @@ def dpkg_architecture() -> str:
 
 # OCI/Docker names of Debian architectures that differ (the rest are the same word).
 _OCI_ARCH = {"armhf": "arm", "i386": "386", "ppc64el": "ppc64le"}
+_DEBIAN_ARCH = {oci: debian for debian, oci in _OCI_ARCH.items()}
+
+
+def native_platform() -> str:
+    """This machine's platform as OCI names it (`linux/amd64`)."""
+    arch = dpkg_architecture()
+    return f"linux/{_OCI_ARCH.get(arch, arch)}"
+
+
+def debian_architecture(platform: str) -> str:
+    """The Debian architecture of an OCI platform: linux/arm64 -> arm64, linux/arm/v7 -> armhf."""
+    parts = platform.split("/")
+    if len(parts) not in (2, 3) or parts[0] != "linux" or not parts[1]:
+        raise SourcesError(f"'{platform}' is not a Linux platform like linux/arm64")
+    return _DEBIAN_ARCH.get(parts[1], parts[1])
 
 
 @dataclass(frozen=True)
@@ -321,15 +346,20 @@ class BuildResult:
     rootfs: Path
 
 
-def build(workdir: Path, suite: str, include: str, epoch: int, sources: list[AptSource]) -> BuildResult:
-    """mmdebstrap, then the deterministic image, all inside workdir (kept: a rerun reuses the rootfs)."""
+def build(workdir: Path, suite: str, include: str, epoch: int, sources: list[AptSource],
+          arch: str | None = None) -> BuildResult:
+    """mmdebstrap, then the deterministic image, all inside workdir (kept: a rerun reuses the rootfs).
+    `arch`: the Debian architecture to build for (default and same as None: this machine's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     rootfs = workdir / "rootfs.tar"
+    native = dpkg_architecture()
+    if arch == native:
+        arch = None
     if not rootfs.is_file():
-        mmdebstrap(sources, suite, include, epoch, rootfs, workdir / "mmdebstrap.log")
+        mmdebstrap(sources, suite, include, epoch, rootfs, workdir / "mmdebstrap.log", arch)
     packages = installed_packages(rootfs)
     (workdir / "packages.txt").write_text("".join(f"{p}\n" for p in packages))
-    arch = dpkg_architecture()
+    arch = arch or native
     created_by = (f"mmdebstrap --variant=minbase --include={include} {suite} "
                   f"({', '.join(s.suite for s in sources)}; {len(packages)} packages)")
     image = compose(rootfs, workdir / "image", epoch, _OCI_ARCH.get(arch, arch), created_by)
@@ -341,21 +371,46 @@ def build(workdir: Path, suite: str, include: str, epoch: int, sources: list[Apt
 
 def push(image: Image, reference: str) -> str:
     """Blobs first (skipped when present), then the manifest under the tag; returns the digest."""
+    return push_all({"": image}, reference)
+
+
+def index_of(images: dict[str, Image]) -> bytes:
+    """The OCI index of one image per platform, in the order given (the same bytes on every machine)."""
+    from imagebuild.oci.platforms import Child, index_document  # needs httpx: see push_all
+
+    return index_document(Child(platform, image.digest, MANIFEST_TYPE, len(image.manifest))
+                          for platform, image in images.items())
+
+
+def push_all(images: dict[str, Image], reference: str) -> str:
+    """Push every image's blobs and manifest; returns the digest the tag names. One image (platform key
+    ignored) goes under the tag itself; several go by digest, then their OCI index under the tag."""
     # Here, not at the top: the build runs in a bare container with the standard library alone (the
     # reproducibility test), and only the push needs the registry client and its httpx.
-    from imagebuild.oci.client import ImageRef, Registry, RegistryError
+    from imagebuild.oci.client import OCI_INDEX, ImageRef, Registry, RegistryError
 
     ref = ImageRef.parse(reference)
+    tag = ref.tag or "latest"
     try:
         with Registry(ref.registry, timeout=300) as registry:
-            for blob in (image.layer, image.config):
-                _upload(registry, ref.repository, blob)
-            digest = registry.put_manifest(ref.repository, ref.tag or "latest", image.manifest, MANIFEST_TYPE)
+            for platform, image in images.items():
+                for blob in (image.layer, image.config):
+                    _upload(registry, ref.repository, blob)
+                where = tag if len(images) == 1 else image.digest
+                stored = registry.put_manifest(ref.repository, where, image.manifest, MANIFEST_TYPE)
+                if stored and stored != image.digest:
+                    raise BaseImageError(f"the registry stored {reference} ({platform or 'image'}) as {stored}, "
+                                         f"not {image.digest}")
+            if len(images) == 1:
+                return next(iter(images.values())).digest
+            raw = index_of(images)
+            expected = "sha256:" + hashlib.sha256(raw).hexdigest()
+            stored = registry.put_manifest(ref.repository, tag, raw, OCI_INDEX)
     except RegistryError as exc:
         raise BaseImageError(f"pushing {reference}: {exc}") from None
-    if digest and digest != image.digest:
-        raise BaseImageError(f"the registry stored {reference} as {digest}, not {image.digest}")
-    return image.digest
+    if stored and stored != expected:
+        raise BaseImageError(f"the registry stored the index {reference} as {stored}, not {expected}")
+    return expected
 
 
 def _upload(registry: Registry, repository: str, blob: Blob) -> None:
@@ -387,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--epoch", type=int, default=int(os.environ.get("SOURCE_DATE_EPOCH", "0")),
                    help="SOURCE_DATE_EPOCH: every time in the rootfs and the config")
     b.add_argument("--apt-dir", type=Path, default=Path("/etc/apt"), help="where the mirror is read from")
+    b.add_argument("--platform", action="append", metavar="OS/ARCH",
+                   help="build for this platform (repeat for several: one image each, joined by an OCI "
+                        "index); default: this machine's")
     b.add_argument("--push", metavar="REGISTRY/REPO:TAG", help="push the image here (blobs, then manifest)")
     s = sub.add_parser("sources", help="print the apt sources the base image would use")
     s.add_argument("--suite", default="bookworm")
@@ -398,14 +456,28 @@ def main(argv: list[str] | None = None) -> int:
             for source in sources:
                 print(f"{source.line()}    # {source.origin}")
             return 0
-        result = build(args.workdir, args.suite, args.include, args.epoch, sources)
-        digest = push(result.image, args.push) if args.push else result.image.digest
+        platforms = list(dict.fromkeys(args.platform or [native_platform()]))
+        results: dict[str, BuildResult] = {}
+        for platform in platforms:
+            # One platform keeps the folder's layout of old; several get a folder each (linux-arm64).
+            workdir = args.workdir if len(platforms) == 1 else args.workdir / platform.replace("/", "-")
+            results[platform] = build(workdir, args.suite, args.include, args.epoch, sources,
+                                      debian_architecture(platform))
+        images = {platform: result.image for platform, result in results.items()}
+        if args.push:
+            digest = push_all(images, args.push)
+        elif len(images) == 1:
+            digest = next(iter(images.values())).digest
+        else:  # no push: the digest the index push_all would send will have
+            digest = "sha256:" + hashlib.sha256(index_of(images)).hexdigest()
     except BaseImageError as exc:  # SourcesError 2, ToolMissingError 3, any other 1
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps({"digest": digest, "reference": args.push, "packages": len(result.packages),
-                      "sources": [s.line() for s in result.sources],
-                      "diff_id": result.image.diff_id,
+    first = next(iter(results.values()))
+    print(json.dumps({"digest": digest, "reference": args.push, "packages": len(first.packages),
+                      "sources": [s.line() for s in first.sources],
+                      "diff_id": first.image.diff_id,
+                      "children": {platform: result.image.digest for platform, result in results.items()},
                       "workdir": str(args.workdir)}))
     return 0
 

@@ -21,9 +21,10 @@ from typing import Any
 
 from imagebuild.build.render import render_template
 from imagebuild.config.matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
+from imagebuild.config.support import DEFAULT_PLATFORM
 from imagebuild.core.source import InputError, PathKey, suggest
 
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: the platform is part of every key
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Layer:
     files: tuple[tuple[str, str], ...]  # (path relative to the layer folder, content)
     build_args: tuple[tuple[str, str], ...]
     root: Root | None = None
+    platform: str = DEFAULT_PLATFORM
 
     @property
     def path(self) -> str:
@@ -65,6 +67,18 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class PlatformChain:
+    """One platform's image of a variant: its layer keys, root first, release last."""
+
+    platform: str
+    chain: tuple[str, ...]
+
+    @property
+    def release(self) -> str:
+        return self.chain[-1]
+
+
+@dataclass(frozen=True)
 class Variant:
     id: str
     os: str
@@ -73,15 +87,22 @@ class Variant:
     python: str
     paddle: str
     tags: tuple[str, ...]
-    chain: tuple[str, ...]  # layer keys, root first, release last
+    chain: tuple[str, ...]  # every layer key of every platform, each platform's root first, release last
+    # One per platform, in the matrix's order. With two or more, the variant's image is an OCI image
+    # index of their release layers; with one, that release layer's image itself.
+    platform_chains: tuple[PlatformChain, ...]
 
     @property
     def device(self) -> str:
         return "cpu" if self.cuda is None else "gpu"
 
     @property
-    def image_key(self) -> str:
-        return self.chain[-1]
+    def platforms(self) -> tuple[str, ...]:
+        return tuple(p.platform for p in self.platform_chains)
+
+    @property
+    def multi_platform(self) -> bool:
+        return len(self.platform_chains) > 1
 
 
 @dataclass(frozen=True)
@@ -122,10 +143,11 @@ class Plan:
 
 
 def content_key(kind: str, files: Mapping[str, str], build_args: Mapping[str, str],
-                parent: str | None) -> str:
+                parent: str | None, platform: str = DEFAULT_PLATFORM) -> str:
     payload = {
         "v": KEY_VERSION,
         "kind": kind,
+        "platform": platform,
         "files": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(files.items())},
         "args": dict(sorted(build_args.items())),
         "parent": parent,
@@ -139,10 +161,11 @@ class _Builder:
     matrix: Matrix
     revision: str
     created: str
-    resolved: Mapping[str, str]
+    resolved: Mapping[tuple[str, str], str]  # (image, platform) -> the digest of that platform's image
     templates_dir: str | None = None
+    platform: str = DEFAULT_PLATFORM  # the platform the layers being added are for
     layers: dict[str, Layer] = field(default_factory=dict)
-    names: dict[str, str] = field(default_factory=dict)  # layer path -> key, to catch clashes
+    names: dict[tuple[str, str], str] = field(default_factory=dict)  # (layer path, platform) -> key, to catch clashes
     # Identical inputs render identically. Most variants share their lower layers, so those
     # are rendered and keyed once per distinct (template, context, args, parent); the upper
     # ones are nearly always unique, where building the memo key would cost more than it saves.
@@ -172,37 +195,41 @@ class _Builder:
             args["IMAGEBUILD_BASE"] = root.reference
         memo = None
         if kind in self.MEMO_KINDS:
-            memo = (template, name, parent, root, _freeze(context), tuple(sorted(args.items())))
+            memo = (template, name, parent, root, self.platform, _freeze(context), tuple(sorted(args.items())))
             if memo in self.memo:
                 return self.memo[memo]
         files = {"Dockerfile": render_template(template, context, self.templates_dir)}
-        key = content_key(kind, files, args, parent)
+        key = content_key(kind, files, args, parent, self.platform)
         path = f"{kind}/{name}"
-        if self.names.get(path, key) != key:
+        if self.names.get((path, self.platform), key) != key:
             raise self.matrix.document.error(
                 where, f"two different {kind} layers would share dockerfiles/{path}; "
                        "give the variants distinct catalog entries")
-        self.names[path] = key
+        self.names[(path, self.platform)] = key
         if key not in self.layers:
             self.layers[key] = Layer(kind=kind, name=name, key=key, parent=parent,
                                      files=tuple(sorted(files.items())),
-                                     build_args=tuple(sorted(args.items())), root=root)
+                                     build_args=tuple(sorted(args.items())), root=root, platform=self.platform)
         if memo is not None:
             self.memo[memo] = key
         return key
 
     def root(self, image: str, digest: str | None) -> Root:
+        """A pinned digest as written (an index names every platform's image); a tag by what it resolved
+        to for this platform."""
         if digest:
             return Root(image, digest, pinned=True)
-        return Root(image, self.resolved.get(image), pinned=False)
+        return Root(image, self.resolved.get((image, self.platform)), pinned=False)
 
 
 def build_plan(matrix: Matrix, revision: str = "unknown", created: str = "1970-01-01T00:00:00Z",
-               resolved: Mapping[str, str] | None = None, templates_dir: str | Path | None = None) -> Plan:
+               resolved: Mapping[tuple[str, str], str] | None = None,
+               templates_dir: str | Path | None = None) -> Plan:
     """Expand the matrix into variants and a deduplicated layer graph.
 
-    `revision` and `created` go into the release layers' labels; `resolved` maps an
-    unpinned base image to the digest the registry gave it (keys are provisional without).
+    `revision` and `created` go into the release layers' labels; `resolved` maps an unpinned base
+    image and a platform to the digest the registry gave that platform's image (keys are
+    provisional without).
     `templates_dir` renders from a folder of templates instead of the package's own.
     """
     b = _Builder(matrix, revision, created, resolved or {},
@@ -213,16 +240,24 @@ def build_plan(matrix: Matrix, revision: str = "unknown", created: str = "1970-0
     for combo in matrix.combinations:
         os_spec = matrix.os[combo.os]
         cuda = None if combo.cuda == CPU else matrix.cuda[combo.cuda]
-        chain, root = _chain(b, os_spec, cuda, combo.python, combo.paddle, combo.axes)
         variant_id = _variant_id(combo.paddle, cuda, combo.python, combo.os)
+        lower = []
+        for platform in combo.platforms:
+            b.platform = platform
+            lower.append((platform, *_chain(b, os_spec, cuda, combo.python, combo.paddle, combo.axes)))
         if variant_id in ids:
             raise matrix.document.error(combo.origin, f"gives variant '{variant_id}' twice")
         ids[variant_id] = combo
         tags = _tags(matrix, combo, cuda, suffixes[(combo.os, combo.cuda, combo.paddle)])
-        release = _release(b, variant_id, chain[-1], os_spec, cuda, root, combo, tags)
+        chains = []
+        for platform, chain, root in lower:
+            b.platform = platform
+            release = _release(b, variant_id, chain[-1], os_spec, cuda, root, combo, tags)
+            chains.append(PlatformChain(platform, (*chain, release)))
         variants.append(Variant(id=variant_id, os=combo.os, cuda=cuda.version if cuda else None,
                                 cudnn=cuda.cudnn if cuda else None, python=combo.python,
-                                paddle=combo.paddle, tags=tags, chain=(*chain, release)))
+                                paddle=combo.paddle, tags=tags, chain=tuple(k for c in chains for k in c.chain),
+                                platform_chains=tuple(chains)))
     _check_unique_tags(matrix, variants)
     return Plan(matrix_file=matrix.file, registry=matrix.registry, project=matrix.project,
                 repository=matrix.repository, cache_repository=matrix.cache_repository,
@@ -423,13 +458,17 @@ def plan_record(the_plan: Plan, selected: set[str] | None = None) -> dict[str, A
                 "id": v.id, "os": v.os, "device": v.device, "cuda": v.cuda, "cudnn": v.cudnn,
                 "python": v.python, "paddle": v.paddle, "tags": list(v.tags),
                 "images": [f"{the_plan.repository_ref}:{t}" for t in v.tags],
-                "layers": [the_plan.layers[k].path for k in v.chain],
+                # Every platform's chain has the same folders (one Dockerfile builds each platform).
+                "layers": [the_plan.layers[k].path for k in v.platform_chains[0].chain],
+                "platforms": list(v.platforms),
+                "index": v.multi_platform,
             }
             for v in the_plan.variants if selected is None or v.id in selected
         ],
         "layers": [
             {
-                "key": layer.key, "kind": layer.kind, "path": layer.path, "parent": layer.parent,
+                "key": layer.key, "kind": layer.kind, "path": layer.path, "platform": layer.platform,
+                "parent": layer.parent,
                 "cache_tag": layer.cache_tag, "shared": layer.key in shared,
                 "used_by": the_plan.users(layer.key),
                 "from": layer.root.reference if layer.root else None,
@@ -450,6 +489,6 @@ def github_matrix(the_plan: Plan, selected: set[str] | None = None) -> dict[str,
     """GitHub Actions strategy.matrix: one job per (selected) variant."""
     return {"include": [
         {"variant": v.id, "device": v.device, "paddle": v.paddle, "python": v.python,
-         "cuda": v.cuda or "cpu", "tags": ",".join(v.tags)}
+         "cuda": v.cuda or "cpu", "tags": ",".join(v.tags), "platforms": ",".join(v.platforms)}
         for v in the_plan.variants if selected is None or v.id in selected
     ]}

@@ -28,9 +28,10 @@ from docker.errors import DockerException
 from imagebuild.build import publish
 from imagebuild.build.plan import Layer, Plan, Variant, build_plan, plan_record, with_ancestors
 from imagebuild.build.render import check_tree
-from imagebuild.config.matrix import Matrix
+from imagebuild.config.matrix import CPU, Matrix
 from imagebuild.core.report import (
     BuildReport,
+    ChildImage,
     LayerRecord,
     LayerStatus,
     ReportStatus,
@@ -42,6 +43,7 @@ from imagebuild.core.source import InputError
 from imagebuild.oci import reference
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, head_many
 from imagebuild.oci.copy import copy_within
+from imagebuild.oci.platforms import platform_digest, push_index
 
 # --- planning against the registry ----------------------------------------------------
 
@@ -81,18 +83,33 @@ def git_revision(cwd: Path) -> tuple[str, str]:
     return commit, created
 
 
-def resolve_roots(matrix: Matrix) -> dict[str, str]:
-    """Resolve unpinned base images (tags) to digests, so keys and FROM lines are exact."""
-    images = {spec.image for spec in matrix.os.values() if not spec.digest}
-    images |= {spec.image for spec in matrix.cuda.values() if spec.image and not spec.digest}
+def root_platforms(matrix: Matrix) -> dict[str, set[str]]:
+    """Each unpinned base image (a tag) and the platforms the matrix builds FROM it."""
+    wanted: dict[str, set[str]] = {}
+    for combo in matrix.combinations:
+        cuda = None if combo.cuda == CPU else matrix.cuda[combo.cuda]
+        spec = (cuda.image, cuda.digest) if cuda is not None and cuda.provider == "image" else \
+            (matrix.os[combo.os].image, matrix.os[combo.os].digest)
+        if spec[0] and not spec[1]:
+            wanted.setdefault(spec[0], set()).update(combo.platforms)
+    return wanted
+
+
+def resolve_roots(matrix: Matrix) -> dict[tuple[str, str], str]:
+    """Resolve unpinned base images (tags) to each platform's image digest, so keys and FROM lines are exact.
+
+    A tag naming an index gives each platform its child; a tag naming one image serves only the
+    platform its config says (a linux/amd64-only base refuses an arm64 build here, not mid-build).
+    """
     resolved = {}
-    for image in sorted(images):
+    for image, platforms in sorted(root_platforms(matrix).items()):
         ref = ImageRef.parse(image)
         with Registry(ref.registry) as registry:
-            digest = registry.head_manifest(ref.repository, ref.reference)
-        if digest is None:
-            raise RegistryError(f"base image {image} is not in its registry")
-        resolved[image] = digest
+            for platform in sorted(platforms):
+                digest = platform_digest(registry, ref.repository, ref.reference, platform)
+                if digest is None:
+                    raise RegistryError(f"base image {image} is not in its registry")
+                resolved[(image, platform)] = digest
     return resolved
 
 
@@ -136,14 +153,14 @@ def planned_report(plan: Plan, variants: Iterable[Variant], held: Mapping[str, s
     layers = []
     for key in report_keys(plan, variants, layer_keys):
         layer = plan.layers[key]
-        layers.append(LayerRecord(key=key, kind=layer.kind, path=layer.path,
+        layers.append(LayerRecord(key=key, kind=layer.kind, path=layer.path, platform=layer.platform,
                                   image=f"{plan.cache_ref}:{layer.cache_tag}",
                                   status=LayerStatus.REUSED if key in held else LayerStatus.TO_BUILD,
                                   digest=held.get(key)))
     records = [
         VariantRecord(id=v.id, tags=list(v.tags), images=[f"{plan.repository_ref}:{t}" for t in v.tags],
                       chain=list(v.chain), device=v.device, paddle=v.paddle, python=v.python,
-                      cuda=v.cuda, cudnn=v.cudnn, os=v.os)
+                      cuda=v.cuda, cudnn=v.cudnn, os=v.os, platforms=list(v.platforms))
         for v in variants
     ]
     return BuildReport(matrix=plan.matrix_file, revision="", registry=plan.registry,
@@ -215,6 +232,11 @@ class Tagger(Protocol):
 
     def session(self) -> contextlib.AbstractContextManager[TagVariant]:
         """One tagging pass: after each release layer, and once at the end."""
+        ...
+
+    def index(self, children: Mapping[str, str]) -> str:
+        """Put the OCI image index of `children` (platform -> its release layer's digest, in the variant's
+        order) into the cache repository, untagged; its digest. Only called once every child is there."""
         ...
 
 
@@ -368,18 +390,37 @@ class Builder:
                         self._tag_variant(tag, variant)
 
     def _tag_variant(self, tag: TagVariant, variant: VariantRecord) -> None:
-        statuses = [self.report.layer(k).status for k in variant.chain]
-        if any(s in (LayerStatus.FAILED, LayerStatus.SKIPPED) for s in statuses):
+        """A variant's tags once every platform's chain is in the registry; none while any is missing, so
+        no tag names a partial index. A failed platform fails the whole variant, and the report says which."""
+        chains = self._platform_chains(variant)
+        failed = [platform for platform, chain in chains.items()
+                  if any(self.report.layer(k).status in (LayerStatus.FAILED, LayerStatus.SKIPPED) for k in chain)]
+        if failed:
             variant.status = VariantStatus.FAILED
+            variant.error = f"{', '.join(failed)}: a layer failed or was skipped; no platform of it is tagged"
             return
-        if any(s not in (LayerStatus.BUILT, LayerStatus.REUSED) for s in statuses):
+        if any(self.report.layer(k).status not in (LayerStatus.BUILT, LayerStatus.REUSED)
+               for chain in chains.values() for k in chain):
             return
-        digest = self.report.layer(variant.chain[-1]).digest or ""
+        releases = {platform: self.report.layer(chain[-1]).digest or "" for platform, chain in chains.items()}
+        if len(releases) > 1:
+            digest = self.tagger.index(releases)
+            variant.children = [ChildImage(platform, child) for platform, child in releases.items()]
+        else:
+            digest = next(iter(releases.values()))
         tag(variant, digest)
         variant.digest = digest
         variant.image = f"{self.plan.repository_ref}@{digest}"
         variant.status = VariantStatus.BUILT
         self.on_event("tagged", self.report.layer(variant.chain[-1]))
+
+    def _platform_chains(self, variant: VariantRecord) -> dict[str, list[str]]:
+        """Each platform's layer keys, release last: from the plan's variant (the report's chain is every
+        platform's in one list)."""
+        planned = next((v for v in self.plan.variants if v.id == variant.id), None)
+        if planned is None:
+            return {variant.platforms[0]: list(variant.chain)}
+        return {c.platform: list(c.chain) for c in planned.platform_chains}
 
     def _finish(self) -> BuildReport:
         failed = any(v.status == VariantStatus.FAILED for v in self.report.variants)
@@ -392,6 +433,33 @@ class Builder:
     def _write(self) -> None:
         # Under the report's lock, keeping the stages other processes recorded meanwhile.
         self.report.write(self.options.workdir / "build-report.json")
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What building one layer takes, whoever builds it (DockerLayerBuilder here, buildkit.BuildKitLayerBuilder
+    on a remote daemon): the same arguments, labels and secrets, so a layer's image does not depend on where
+    it was built. Each builder only spells them as its own tool's flags."""
+
+    platform: str
+    build_args: dict[str, str]  # sorted: the layer's own, and IMAGEBUILD_PARENT (its parent, by digest)
+    labels: dict[str, str]
+    secrets: dict[str, str]  # sorted: secret id -> file on this host
+    context: Path  # the build context
+    dockerfile: Path  # the folder holding the layer's Dockerfile (the context, unless options.contexts says)
+
+
+LAYER_KEY_LABEL = "io.imagebuild.layer.key"
+
+
+def layer_inputs(layer: Layer, rec: LayerRecord, cache_ref: str, options: BuildOptions) -> LayerInputs:
+    args = dict(layer.build_args)
+    if layer.parent is not None:
+        args["IMAGEBUILD_PARENT"] = f"{cache_ref}@{rec.base_digest}"
+    folder = options.dockerfiles / layer.path
+    return LayerInputs(platform=layer.platform, build_args=dict(sorted(args.items())),
+                       labels={LAYER_KEY_LABEL: layer.key}, secrets=dict(sorted(options.secrets.items())),
+                       context=options.contexts.get(layer.key, folder), dockerfile=folder)
 
 
 class DockerLayerBuilder:
@@ -416,21 +484,18 @@ class DockerLayerBuilder:
         return self.cancelled.is_set() or cancel_requested()
 
     def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:
-        args = dict(layer.build_args)
-        if layer.parent is not None:
-            args["IMAGEBUILD_PARENT"] = f"{self.cache_ref}@{rec.base_digest}"
+        given = layer_inputs(layer, rec, self.cache_ref, self.options)
         started = time.monotonic()
-        cmd = [self.docker, "build", "--progress=plain", "--label", f"io.imagebuild.layer.key={layer.key}",
-               "-t", rec.image]
-        for name, value in sorted(args.items()):
+        cmd = [self.docker, "build", "--progress=plain", "--platform", given.platform, "-t", rec.image]
+        for name, value in given.labels.items():
+            cmd += ["--label", f"{name}={value}"]
+        for name, value in given.build_args.items():
             cmd += ["--build-arg", f"{name}={value}"]
-        for sid, path in sorted(self.options.secrets.items()):
+        for sid, path in given.secrets.items():
             cmd += ["--secret", f"id={sid},src={path}"]
-        folder = self.options.dockerfiles / layer.path
-        context = self.options.contexts.get(layer.key)
-        if context is not None:
-            cmd += ["--file", str(folder / "Dockerfile")]
-        cmd.append(str(context or folder))
+        if given.context != given.dockerfile:
+            cmd += ["--file", str(given.dockerfile / "Dockerfile")]
+        cmd.append(str(given.context))
         result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
                                   timeout=self.options.layer_timeout_s)
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}
@@ -468,11 +533,16 @@ class DockerLayerBuilder:
 
 class RegistryTagger:
     """Tags within the registry: a tag that does not yet name the digest gets it by copy_within
-    (blobs mounted from the cache repository); one connection per tagging pass."""
+    (blobs mounted from the cache repository; an index's children go before it); one connection per
+    tagging pass."""
 
     def __init__(self, plan: Plan):
         self.repository = ImageRef.parse(plan.repository_ref)
         self.cache = ImageRef.parse(plan.cache_ref)
+
+    def index(self, children: Mapping[str, str]) -> str:
+        with Registry(self.cache.registry) as registry:
+            return push_index(registry, self.cache.repository, children)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[TagVariant]:

@@ -267,6 +267,7 @@ class ImageScan:
     findings: tuple[Finding, ...] = ()
     scanned: bool = True
     problem: str = ""  # why it was not scanned
+    platform: str | None = None  # a child of a multi-platform variant's index: each child is judged on its own
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,12 @@ class ImageVerdict:
     decisions: tuple[Decision, ...]
     problems: tuple[str, ...]  # blocking reasons that are not findings: not scanned, expired exceptions, …
     warnings: tuple[str, ...] = ()
+    platform: str | None = None  # the child of the variant's index judged (None: its only image)
+
+    @property
+    def name(self) -> str:
+        """The variant, and the platform of a child: how output names the image judged."""
+        return f"{self.variant} ({self.platform})" if self.platform else self.variant
 
     @property
     def passed(self) -> bool:
@@ -377,7 +384,8 @@ def _decide(policy: Policy, today: dt.date, finding: Finding, variant: str) -> D
 def evaluate(policy: Policy, scans: Iterable[ImageScan], today: dt.date, strict: bool = False) -> GateResult:
     scans = list(scans)
     scanned_variants = {s.variant for s in scans if s.scanned}
-    decisions = {s.variant: tuple(_decide(policy, today, f, s.variant) for f in s.findings) for s in scans}
+    # Exceptions name variants, so every child of a variant's index is judged by the same ones.
+    decisions = [tuple(_decide(policy, today, f, s.variant) for f in s.findings) for s in scans]
 
     states: list[ExceptionState] = []
     for exc in policy.exceptions:
@@ -395,7 +403,7 @@ def evaluate(policy: Policy, scans: Iterable[ImageScan], today: dt.date, strict:
         states.append(ExceptionState(exc, state, matched))
 
     verdicts = []
-    for scan in scans:
+    for scan, decided in zip(scans, decisions):
         problems: list[str] = []
         warnings: list[str] = []
         if not scan.scanned:
@@ -412,8 +420,8 @@ def evaluate(policy: Policy, scans: Iterable[ImageScan], today: dt.date, strict:
                 text = (f"stale exception for {exc.describe()} ({where}, {exc.owner}): it matches no finding "
                         "any more; remove it")
                 (problems if strict else warnings).append(text)
-        verdicts.append(ImageVerdict(scan.variant, scan.image, scan.digest, decisions[scan.variant],
-                                     tuple(problems), tuple(warnings)))
+        verdicts.append(ImageVerdict(scan.variant, scan.image, scan.digest, decided, tuple(problems), tuple(warnings),
+                                     scan.platform))
     return GateResult(policy, today, strict, tuple(verdicts), tuple(states))
 
 
@@ -465,7 +473,8 @@ def to_json(result: GateResult) -> dict[str, Any]:
         "policy": result.policy.file,
         "today": result.today.isoformat(),
         "strict": result.strict,
-        "images": [{"variant": v.variant, **stage_record(v, result).to_dict()} for v in result.images],
+        "images": [{"variant": v.variant, **({"platform": v.platform} if v.platform else {}),
+                    **stage_record(v, result).to_dict()} for v in result.images],
         "exceptions": [{"id": s.exception.id, "packages": list(s.exception.packages),
                         "variants": list(s.exception.variants), "owner": s.exception.owner,
                         "expires": s.exception.expires.isoformat(), "line": s.exception.line,
@@ -528,14 +537,14 @@ def to_sarif(result: GateResult, *, tool_version: str, locations: Mapping[str, s
             else:
                 where = location(locations.get(image.variant, ""), 1, image.image)
             if f.kind == "vulnerability":
-                text = (f"{f.id} ({f.severity}) in {f.package} {f.installed} of {image.variant}"
+                text = (f"{f.id} ({f.severity}) in {f.package} {f.installed} of {image.name}"
                         + (f", fixed in {f.fixed}" if f.fixed else ", no fixed version") + f": {d.why}")
             else:
-                text = f"{f.id} ({f.severity}) in {f.subject()} of {image.variant}: {d.why}"
+                text = f"{f.id} ({f.severity}) in {f.subject()} of {image.name}: {d.why}"
             entry: dict[str, Any] = {
                 "ruleId": f.id, "ruleIndex": index, "level": "error",
                 "message": {"text": text}, "locations": [where],
-                "partialFingerprints": {"imagebuild/v1": _fingerprint(image.variant, f)},
+                "partialFingerprints": {"imagebuild/v1": _fingerprint(image.name, f)},
                 "properties": {"variant": image.variant, "image": image.image, "verdict": d.verdict,
                                "kind": f.kind, "severity": f.severity},
             }

@@ -49,8 +49,8 @@ def run_gate(workdir: Path, policy_path: Path, selection: Selection, *, strict: 
             for v in variants})
         raise
     records = {}
-    for variant, verdict in zip(variants, result.images):
-        variant.stages[GateStage.STAGE] = records[variant.id] = gating.stage_record(verdict, result)
+    for variant in variants:
+        variant.stages[GateStage.STAGE] = records[variant.id] = variant_record(variant, result)
     record_stage(report_path, GateStage.STAGE, records)
     locations, root = sarif_locations(variants)
     sarif = gating.to_sarif(result, tool_version=tool_version(), locations=locations, dockerfiles_root=root)
@@ -61,6 +61,16 @@ def run_gate(workdir: Path, policy_path: Path, selection: Selection, *, strict: 
     result_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     sarif_path.write_text(json.dumps(sarif, indent=2) + "\n", encoding="utf-8")
     return GateOutcome(result, record, sarif, result_path, sarif_path)
+
+
+def variant_record(variant: VariantRecord, result: gating.GateResult) -> GateStage:
+    """A variant's gate record: its image's verdict, or each child's under the index's (passing only if all pass)."""
+    verdicts = {(v.variant, v.platform): v for v in result.images}
+    if not variant.children:  # one image (an index not built is judged as one, not there)
+        return gating.stage_record(verdicts[(variant.id, None)], result)
+    return GateStage.of_children(variant.digest, variant.image,
+                                 [(c, gating.stage_record(verdicts[(variant.id, c.platform)], result))
+                                  for c in variant.children])
 
 
 def tool_version() -> str:

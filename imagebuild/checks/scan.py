@@ -37,6 +37,7 @@ from imagebuild.core.report import BuildReport, ScanStage, StageStatus, VariantR
 from imagebuild.core.runner import PinnedTool, Result, Runner, ToolMissing, find_pinned, uninterrupted
 from imagebuild.core.source import InputError
 from imagebuild.oci.client import ImageRef, base_url
+from imagebuild.oci.platforms import platform_folder
 
 # The pinned Trivy; scripts/versions.env says the same (TRIVY_VERSION), a test keeps them equal.
 TRIVY_VERSION = "0.76.0"
@@ -197,10 +198,11 @@ def is_insecure(reference: str, options: ScanOptions) -> bool:
     return registry in options.insecure_registries or base_url(registry).startswith("http://")
 
 
-def scan_image(trivy: Trivy, variant: VariantRecord, options: ScanOptions, out: Path) -> tuple[dict[str, Any], LayerUse]:
-    """trivy image (vuln + secret) by digest, then the SBOM from its JSON. Returns (report, layers)."""
-    if not variant.image or "@sha256:" not in variant.image:
-        raise ScanError(f"{variant.id}: {variant.image!r} is not addressed by digest; only digests are scanned")
+def scan_image(trivy: Trivy, image: str, name: str, options: ScanOptions, out: Path) -> tuple[dict[str, Any], LayerUse]:
+    """trivy image (vuln + secret) of `image` by digest (a child of an index by its own: Trivy then reads
+    that platform's image), then the SBOM from its JSON. `name` says whose it is in errors. Returns (report, layers)."""
+    if not image or "@sha256:" not in image:
+        raise ScanError(f"{name}: {image!r} is not addressed by digest; only digests are scanned")
     out.mkdir(parents=True, exist_ok=True)
     image_json, sbom, log = out / "image.json", out / "sbom.cdx.json", out / "trivy.log"
     for stale in (image_json, sbom):
@@ -210,17 +212,17 @@ def scan_image(trivy: Trivy, variant: VariantRecord, options: ScanOptions, out: 
             "--timeout", options.timeout]
     if options.offline:
         args += ["--offline-scan", "--skip-java-db-update"]
-    if is_insecure(variant.image, options):
+    if is_insecure(image, options):
         args.append("--insecure")
-    result = trivy.run([*args, variant.image], log=log, cwd=out, keep=_keep_log_line,
+    result = trivy.run([*args, image], log=log, cwd=out, keep=_keep_log_line,
                        timeout=_seconds(options.timeout) + 60)
     if result.returncode != 0 or not image_json.is_file():
-        raise ScanError(f"trivy image {variant.image} failed (exit {result.returncode}): {_tail(result.output)}")
+        raise ScanError(f"trivy image {image} failed (exit {result.returncode}): {_tail(result.output)}")
     report = _read_json(image_json)
     convert = trivy.run(["convert", "--cache-dir", str(options.cache_dir), "--config", "", "--format", "cyclonedx",
                          "--output", str(sbom), str(image_json)], cwd=out, timeout=600)
     if convert.returncode != 0 or not sbom.is_file():
-        raise ScanError(f"trivy convert (SBOM) failed for {variant.id}: {_tail(convert.output)}")
+        raise ScanError(f"trivy convert (SBOM) failed for {name}: {_tail(convert.output)}")
     return report, layer_use(report, result.output)
 
 
@@ -336,24 +338,40 @@ class ScanRun:
 
     def _scan_one(self, variant: VariantRecord, out: Path, config: dict[str, Any] | None, config_error: str | None,
                   db: DbInfo) -> ScanStage:
-        workdir = self.report_path.parent
-        record = ScanStage(status=StageStatus.SKIPPED, digest=variant.digest, image=variant.image,
-                           trivy_version=self.trivy.version, db_updated_at=db.updated_at, scanned_at=_now())
+        record = self._new_record(variant.digest, variant.image, db)
         if variant.status != "built" or not variant.digest or not variant.image:
             record.error = f"not built (status {variant.status})"
             return record
         self.on_event("start", variant, None)
-        started = time.monotonic()
         dockerfiles = dockerfiles_of(self.report, variant)
+        if not variant.multi_platform:
+            record = self._scan_image(variant.id, variant.digest, variant.image, out, config, config_error, dockerfiles, db)
+        else:  # each child by its own digest, into a folder of its own; the variant's record says them all
+            children = [(c, self._scan_image(f"{variant.id} ({c.platform})", c.digest, variant.child_image(c),
+                                             out / platform_folder(c.platform), config, config_error, dockerfiles, db))
+                        for c in variant.children]
+            record = ScanStage.of_children(variant.digest, variant.image, children)
+        self.on_event("done", variant, record)
+        return record
+
+    def _new_record(self, digest: str | None, image: str | None, db: DbInfo) -> ScanStage:
+        return ScanStage(status=StageStatus.SKIPPED, digest=digest, image=image, trivy_version=self.trivy.version,
+                         db_updated_at=db.updated_at, scanned_at=_now())
+
+    def _scan_image(self, name: str, digest: str, image: str, out: Path, config: dict[str, Any] | None,
+                    config_error: str | None, dockerfiles: list[str], db: DbInfo) -> ScanStage:
+        """One image by digest (a variant's, or one child of its index): its record."""
+        workdir = self.report_path.parent
+        record = self._new_record(digest, image, db)
+        started = time.monotonic()
         try:
             if config is None:
                 raise ScanError(config_error or "trivy config did not run")
-            image_report, layers = scan_image(self.trivy, variant, self.options, out)
+            image_report, layers = scan_image(self.trivy, image, name, self.options, out)
             found = gate.findings(image_report) + gate.findings(config, targets=dockerfiles)
         except (ScanError, gate.ReportError) as exc:
             record.status, record.error = StageStatus.FAILED, str(exc)
             record.duration_s = round(time.monotonic() - started, 1)
-            self.on_event("done", variant, record)
             return record
         record.status = StageStatus.OK
         record.duration_s = round(time.monotonic() - started, 1)
@@ -364,7 +382,6 @@ class ScanRun:
         record.dockerfiles = dockerfiles
         record.counts = counts(found)
         record.layers = layers.record()
-        self.on_event("done", variant, record)
         return record
 
     def _summary(self, rows: list[dict[str, Any]], db: DbInfo, seconds: float) -> dict[str, Any]:
@@ -406,24 +423,29 @@ def _now() -> str:
 
 
 def image_scans(report: BuildReport, report_path: Path, variants: Iterable[VariantRecord]) -> list[gate.ImageScan]:
-    """The findings of each variant's scan stage, as the gate takes them. Reads files; gate.py does not."""
+    """The findings of each variant's scan stage, as the gate takes them: one per image, so each child of a
+    multi-platform variant's index on its own (`platform` set). Reads files; gate.py does not."""
     workdir = report_path.parent
     out = []
     for v in variants:
-        record = v.stage(ScanStage)
-        image, digest = v.image or "", v.digest or ""
-        problem = ScanStage.MISSING if record is None else record.refusal(v.digest)
-        if record is None or problem is not None:
-            out.append(gate.ImageScan(v.id, image, digest, scanned=False, problem=problem or ""))
-            continue
-        paths = record.reports
-        image_report = _load_report(workdir / paths.get("image", ""))
-        config_report = _load_report(workdir / paths.get("config", ""))
-        try:
-            found = gate.findings(image_report) + gate.findings(config_report, targets=record.dockerfiles)
-        except gate.ReportError as exc:
-            raise InputError(str(workdir / paths.get("image", "")), None, "", str(exc)) from None
-        out.append(gate.ImageScan(v.id, image, digest, tuple(found)))
+        aggregate = v.stage(ScanStage)
+        # A record about another index says nothing of this one's children.
+        stale = aggregate.refusal(v.digest) if aggregate is not None and v.multi_platform else None
+        for each in v.platform_images(ScanStage):
+            record = each.record
+            problem = stale or (ScanStage.MISSING if record is None else record.refusal(each.digest))
+            if record is None or problem is not None:
+                out.append(gate.ImageScan(v.id, each.image, each.digest, scanned=False, problem=problem or "",
+                                          platform=each.platform))
+                continue
+            paths = record.reports
+            image_report = _load_report(workdir / paths.get("image", ""))
+            config_report = _load_report(workdir / paths.get("config", ""))
+            try:
+                found = gate.findings(image_report) + gate.findings(config_report, targets=record.dockerfiles)
+            except gate.ReportError as exc:
+                raise InputError(str(workdir / paths.get("image", "")), None, "", str(exc)) from None
+            out.append(gate.ImageScan(v.id, each.image, each.digest, tuple(found), platform=each.platform))
     return out
 
 

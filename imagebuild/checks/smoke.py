@@ -10,11 +10,12 @@ the smoke tests passed, with the abi tier, on the variant's very digest.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from imagebuild.core.report import SmokeStage, StageStatus, VariantRecord
 from imagebuild.core.source import InputError
+from imagebuild.oci.platforms import Platform
 
 if TYPE_CHECKING:  # release files (rollout) and sign read this module; they need neither the matrix nor the plan (jinja2)
     from imagebuild.build.plan import Plan, Variant
@@ -25,6 +26,67 @@ EXPECT_SCHEMA = "imagebuild.smoke-expect/v1"  # read by smoke_tests/imagebuild_s
 # The labels `--image` needs to know what an image claims to be (set by the release layer).
 REQUIRED_LABELS = ("io.imagebuild.variant", "io.imagebuild.paddle.version", "io.imagebuild.python.version",
                    "io.imagebuild.cuda.version", "io.imagebuild.cudnn.version")
+
+
+# --- platforms (pure) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an image of one OCI architecture is, as the suite sees it from inside (test_abi.py)."""
+
+    machine: str  # platform.machine(), uname -m
+    multiarch: str  # Debian's multiarch triplet: /usr/lib/<multiarch>, sysconfig's MULTIARCH
+    elf_machine: int  # e_machine of its ELF files (EM_X86_64, EM_AARCH64)
+
+
+# The architectures the support table names platforms of; an image of any other is not judged by them.
+ARCHITECTURES = {
+    "amd64": Architecture("x86_64", "x86_64-linux-gnu", 62),
+    "arm64": Architecture("aarch64", "aarch64-linux-gnu", 183),
+}
+# A foreign platform runs under qemu-user (binfmt), so each of its time limits (each test's, Paddle's
+# import, the container's backstop) is scaled by this (--emulation-factor). Measured on a 2-core x86-64
+# host, Paddle 3.2.2's linux/arm64 child: the abi tier 26.5 s (container 29.9 s) against 5.4 s (6.9 s)
+# natively; its slowest test, the CPU training loop, 12.5 s against 1.0 s (12x), `import paddle` about
+# 12 s. The native limits are about 60 times the native times (60 s a test), so 5 leaves each emulated
+# test over 20 times its measured time on a loaded machine while a hang still costs at most 5 minutes.
+DEFAULT_EMULATION_FACTOR = 5.0
+
+
+def host_architecture(machine: str) -> str | None:
+    """The OCI architecture of a host whose `uname -m` is `machine` (None: one the table does not know)."""
+    return next((arch for arch, a in ARCHITECTURES.items() if a.machine == machine), None)
+
+
+def emulated(platform: str, host_machine: str) -> bool:
+    """Does an image of `platform` run under emulation on this host? Every architecture but the host's does."""
+    return Platform.parse(platform).architecture != host_architecture(host_machine)
+
+
+@dataclass(frozen=True)
+class PlatformExpect:
+    """The platform an image is for, what follows from it inside the image, and how it runs here."""
+
+    platform: str
+    emulated: bool = False
+    time_factor: float = 1.0  # every time limit of the run, scaled (emulation is slower)
+
+    @property
+    def architecture(self) -> Architecture | None:
+        return ARCHITECTURES.get(Platform.parse(self.platform).architecture)
+
+    def to_json(self) -> dict[str, Any]:
+        arch = self.architecture
+        return {"platform": self.platform, "emulated": self.emulated, "time_factor": self.time_factor,
+                "machine": arch.machine if arch else None, "multiarch": arch.multiarch if arch else None,
+                "elf_machine": arch.elf_machine if arch else None}
+
+
+def platform_expect(platform: str, host_machine: str, emulation_factor: float) -> PlatformExpect:
+    """How an image of `platform` runs on a host of `host_machine`: natively, or emulated with its own time limits."""
+    foreign = emulated(platform, host_machine)
+    return PlatformExpect(platform, foreign, emulation_factor if foreign else 1.0)
 
 
 # --- expectations (pure) --------------------------------------------------------------------
@@ -43,6 +105,7 @@ class Target:
     cuda: str | None
     cudnn: str | None
     tags: tuple[str, ...] = ()
+    platform: str | None = None  # the platform this image is for (a multi-platform variant's child's); None: not known
 
 
 @dataclass(frozen=True)
@@ -61,6 +124,7 @@ class Expectations:
     gid: int | None = None
     gpu_requested: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)  # what a suite of its own needs (the webhook image's)
+    platform: PlatformExpect | None = None  # set by the runner for an image whose platform is known
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -73,6 +137,8 @@ class Expectations:
         }
         if self.extra:  # only when set: the expectations (and so the suite digest) of a matrix variant stay as they were
             data["extra"] = dict(self.extra)
+        if self.platform is not None:
+            data["platform"] = self.platform.to_json()
         return data
 
 
@@ -155,9 +221,16 @@ class MatrixContext:
 
 
 def target_for_record(record: VariantRecord) -> Target:
+    """A single-platform variant's image (its digest is that platform's image); see `targets_for_children`."""
     return Target(name=record.id, image=record.image or "", digest=record.digest, device=record.device,
                   paddle=record.paddle, python=record.python, cuda=record.cuda, cudnn=record.cudnn,
-                  tags=tuple(record.tags))
+                  tags=tuple(record.tags), platform=record.platforms[0] if record.platforms else None)
+
+
+def targets_for_children(record: VariantRecord) -> list[Target]:
+    """A multi-platform variant's images to test: each child by its own digest, in platform order."""
+    base = target_for_record(record)
+    return [replace(base, image=record.child_image(c), digest=c.digest, platform=c.platform) for c in record.children]
 
 
 def target_from_labels(ref: str, labels: Mapping[str, str]) -> Target:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import platform as host_platform
 import re
 import shutil
 import sys
@@ -25,22 +26,26 @@ import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from imagebuild.checks.smoke import (
+    DEFAULT_EMULATION_FACTOR,
     Expectations,
     JunitSummary,
     MatrixContext,
+    PlatformExpect,
     SmokeResult,
     Target,
     classify,
     expectations_from_labels,
     first_line,
     parse_junit,
+    platform_expect,
     target_for_record,
     target_from_labels,
+    targets_for_children,
 )
 from imagebuild.config.selection import Selection
 from imagebuild.config.tiers import TIERS
@@ -184,6 +189,7 @@ class RunOptions:
     gpus: str = "auto"  # auto (request them where this host has them), all, none
     read_only: bool = True
     force: bool = False  # run again even where an identical run already passed
+    emulation_factor: float = DEFAULT_EMULATION_FACTOR  # time limits of an image this host runs under emulation
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -224,9 +230,17 @@ class SmokeRunner:
         self.harness = harness.resolve()
         self.suite = suite.resolve()
         self.gpu_host = options.gpus == "all" or (options.gpus == "auto" and host_has_gpu())
+        self.host_machine = host_platform.machine()
 
-    def wants_gpu(self, device: str) -> bool:
-        return self.gpu_host and device == "gpu"
+    def platform_of(self, target: Target) -> PlatformExpect | None:
+        """How `target` runs here: natively, or under emulation with its time limits scaled."""
+        if target.platform is None:
+            return None
+        return platform_expect(target.platform, self.host_machine, self.options.emulation_factor)
+
+    def wants_gpu(self, device: str, platform: PlatformExpect | None = None) -> bool:
+        """GPUs for a GPU variant on a GPU host, never under emulation (the plugin skips the gpu tier, saying so)."""
+        return self.gpu_host and device == "gpu" and not (platform is not None and platform.emulated)
 
     def remove_containers(self) -> None:
         """Remove every container this process started (after an interrupt); never raises."""
@@ -238,8 +252,8 @@ class SmokeRunner:
             for container in self.client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={RUN_ID}"}):
                 container.remove(force=True)
 
-    def pull(self, ref: str) -> tuple[Any, float]:
-        """The image and the seconds spent pulling it.
+    def pull(self, ref: str, platform: str | None = None) -> tuple[Any, float]:
+        """The image and the seconds spent pulling it (a child of an index: by its digest, for its `platform`).
 
         By digest, the engine's copy is the same bytes, so it is used when there. By tag, the
         registry is asked first (a local tag may be stale); an image only this engine has
@@ -258,7 +272,7 @@ class SmokeRunner:
                 return self.client.images.get(ref), 0.0
             except docker.errors.ImageNotFound:
                 # The name as written (the engine applies Docker's defaults itself), without the tag.
-                self.client.images.pull(parts.name, tag=parts.digest)
+                self.client.images.pull(parts.name, tag=parts.digest, platform=platform)
         else:
             try:
                 self.client.images.pull(ref)
@@ -279,8 +293,13 @@ class SmokeRunner:
         """
         import docker.errors
 
+        runs_as = self.platform_of(target)
+        if runs_as is not None:
+            expectations = replace(expectations, platform=runs_as)
         record = SmokeStage(status=StageStatus.ERROR, image=target.image, digest=target.digest, pull_s=pull_s,
-                            gpu_requested=expectations.gpu_requested, tiers=list(self.options.tiers))
+                            gpu_requested=expectations.gpu_requested, tiers=list(self.options.tiers),
+                            emulated=bool(runs_as and runs_as.emulated),
+                            time_factor=runs_as.time_factor if runs_as else 1.0)
         result = SmokeResult(name=name, variant=target.name, record=record)
         if record.digest is None:  # --image by tag: the digest the engine knows it by
             record.digest = next((reference.split(d).digest for d in image.attrs.get("RepoDigests") or []), image.id)
@@ -334,6 +353,7 @@ class SmokeRunner:
         gpu = record.gpu_requested
         container = self.client.containers.create(
             image_id, entrypoint=["python", "-B", f"{SUITE_MOUNT}/run.py"], command=args,
+            platform=target.platform,
             working_dir=MOUNT_ROOT, mounts=mounts,
             environment=dict(CONTAINER_ENV),
             # An init as PID 1: the suite's Python as PID 1 ignores the signals it has no handler
@@ -349,10 +369,11 @@ class SmokeRunner:
         )
         started = time.monotonic()
         timed_out = False
+        timeout_s = self.options.timeout_s * record.time_factor  # the backstop scales with each test's limit
         try:
             container.start()
             try:
-                exit_code = container.wait(timeout=self.options.timeout_s)["StatusCode"]
+                exit_code = container.wait(timeout=timeout_s)["StatusCode"]
             except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
                 timed_out, exit_code = True, None
                 container.kill()
@@ -373,7 +394,7 @@ class SmokeRunner:
         record.exit_code = exit_code
         (summary or JunitSummary()).into(record)
         record.status, record.reason = classify(exit_code, summary, timed_out=timed_out,
-                                                timeout_s=self.options.timeout_s, oom=oom)
+                                                timeout_s=timeout_s, oom=oom)
 
 
 def _short(exc: BaseException) -> str:
@@ -480,18 +501,40 @@ def _unfinished_recorded(report_path: Path, name: str, image: str, digest: str |
 
 def _run_record(rec: VariantRecord, runner: SmokeRunner, expect: ExpectationsFor,
                 extra_tests: tuple[str, ...]) -> SmokeResult:
-    import docker.errors
-
     if rec.status != "built" or not rec.image:
         return _error(rec.id, rec.id, rec.image or "", rec.digest, f"not built (build status: {rec.status})", runner)
-    target = target_for_record(rec)
+    previous = rec.stage(SmokeStage)
+    if not rec.multi_platform:
+        return _run_target(rec.id, target_for_record(rec), runner, expect, extra_tests, previous)
+    # Each child by its own digest, the foreign ones under emulation; each one's earlier record is
+    # its own, so a rerun reuses exactly the children that passed on the same digest and suite.
+    children = []
+    for child, target in zip(rec.children, targets_for_children(rec)):
+        earlier = previous.for_platform(child.platform) if previous is not None else None
+        name = f"{rec.id}/{child.platform}"
+        children.append((child, _run_target(name, target, runner, expect, extra_tests, earlier)))
+    record = SmokeStage.of_children(rec.digest, rec.image, [(c, r.record) for c, r in children])
+    record.pull_s = _total([r.record.pull_s for _, r in children])
+    record.duration_s = _total([r.record.duration_s for _, r in children])
+    return SmokeResult(name=rec.id, variant=rec.id, record=record, reused=all(r.reused for _, r in children))
+
+
+def _total(seconds: list[float | None]) -> float | None:
+    return round(sum(s for s in seconds if s is not None), 1) if any(s is not None for s in seconds) else None
+
+
+def _run_target(name: str, target: Target, runner: SmokeRunner, expect: ExpectationsFor,
+                extra_tests: tuple[str, ...], previous: SmokeStage | None) -> SmokeResult:
+    """One image of a variant (the variant's own, or one child of its index); `name` keys its output folder."""
+    import docker.errors
+
     try:
-        image, pull_s = runner.pull(target.image)
+        image, pull_s = runner.pull(target.image, target.platform)
     except docker.errors.DockerException as exc:
-        return _error(rec.id, rec.id, target.image, rec.digest, f"cannot get the image: {_short(exc)}", runner)
-    expectations = expect(target, image.labels or {}, runner.wants_gpu(target.device))
-    return runner.execute(rec.id, image, target, expectations, extra_tests,
-                          previous=rec.stage(SmokeStage), pull_s=pull_s)
+        return _error(name, target.name, target.image, target.digest, f"cannot get the image: {_short(exc)}", runner)
+    gpu = runner.wants_gpu(target.device, runner.platform_of(target))
+    expectations = expect(target, image.labels or {}, gpu)
+    return runner.execute(name, image, target, expectations, extra_tests, previous=previous, pull_s=pull_s)
 
 
 def run_images(refs: tuple[str, ...], matrix_path: Path | None, make_runner: Callable[[], SmokeRunner],

@@ -4,14 +4,12 @@ from __future__ import annotations
 import json
 import ssl
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from imagebuild.admission import review as admission
-from imagebuild.admission.quarantine import QuarantineMarks, with_quarantine
-from imagebuild.admission.review import Verdict
+from imagebuild.admission.quarantine import webhook_checks
 from imagebuild.admission.server import DecisionLog, ServerSettings, ServingCertificate, serve
 from imagebuild.cli import LazyCommand, LazyPipelineGroup
 from imagebuild.cli.common import echo, reports_input_errors, trust_file_option
@@ -93,7 +91,7 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
     try:
         # Verdicts from the cache are answered on the event loop; with quarantine marks to read, never.
         cached = verifier.cached if config.quarantine is None else None
-        serve(settings, certificate, _checks(config, verifier), _policy(config), log, cached=cached)
+        serve(settings, certificate, webhook_checks(config, verifier.verify), _policy(config), log, cached=cached)
     except OSError as err:
         echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
         sys.exit(ExitCode.FAILED)
@@ -120,7 +118,7 @@ def review_command(trust_path: Path, review_file: Path, mutate: bool) -> None:
     """
     config = load_trust_config(trust_path)
     body = _read(review_file)
-    verify = _checks(config, Verifier(config))
+    verify = webhook_checks(config, Verifier(config).verify)
     outcome = admission.review(body, lambda images: {image: verify(image) for image in images}, _policy(config),
                                pin=mutate)
     if outcome.http_status != 200:
@@ -128,12 +126,6 @@ def review_command(trust_path: Path, review_file: Path, mutate: bool) -> None:
     click.echo(json.dumps(outcome.body, indent=2))
     if not outcome.body["response"]["allowed"]:
         sys.exit(ExitCode.FAILED)
-
-
-def _checks(config: TrustConfig, verifier: Verifier) -> Callable[[str], Verdict]:
-    """The verifier's verdict, then the quarantine marks of the state repository (when the config names one)."""
-    marks = QuarantineMarks(config.quarantine) if config.quarantine is not None else None
-    return with_quarantine(verifier.verify, marks)
 
 
 def _policy(config: TrustConfig) -> admission.Policy:

@@ -10,8 +10,11 @@ import click
 
 from imagebuild.build import plan as planning
 from imagebuild.build import scheduler as building
+from imagebuild.build.pool import layer_builder_for
 from imagebuild.cli.common import (
     _revision,
+    builders_and_jobs,
+    builders_option,
     dockerfiles_dir,
     echo,
     format_option,
@@ -38,8 +41,9 @@ from imagebuild.core.source import InputError
 @click.option("--layers", "layer_refs", multiple=True, metavar="LAYER[,LAYER...]",
               help="Build these layers (content key, 8+ digit prefix, or path like base/debian12) and "
                    "the parents they need, tagging no variant; alone, no variant is selected.")
-@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="Independent layers built at once.")
+@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=None,
+              help="Independent layers built at once [default: 2; with --builders, their concurrency added up].")
+@builders_option
 @click.option("--dry-run", is_flag=True, help="Plan against the registry and write the report; build nothing.")
 @click.option("--dockerfiles", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Rendered Dockerfiles (default: dockerfiles/ beside the matrix).")
@@ -57,7 +61,8 @@ from imagebuild.core.source import InputError
 @revision_option
 @format_option("table", "json")
 @reports_input_errors
-def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...], jobs: int, dry_run: bool, dockerfiles: Path | None,
+def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...], jobs: int | None,
+          builders_path: Path | None, dry_run: bool, dockerfiles: Path | None,
           workdir: Path, layer_timeout_s: int, secret_overrides: tuple[str, ...], secret_dirs: tuple[str, ...],
           secret_env: tuple[str, ...], push_with: str, revision: str | None, output_format: str) -> None:
     """Build the matrix's layers with BuildKit, parents first, reusing every key the registry has.
@@ -73,8 +78,10 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
       imagebuild build --dry-run --format json     # what would be built
       imagebuild build --layers base/debian12      # one shared layer (CI's first fan-out level)
       imagebuild build --secret-dir /run/ci-secrets --secret-env PIP_CONF   # the secrets' lane
+      imagebuild build --builders builders.yaml    # on a pool of BuildKit daemons
     """
     selection = Selection.parse(only)
+    builders, jobs_at_once = builders_and_jobs(builders_path, jobs)
     matrix = load_matrix(matrix_path)
     overrides = building.parse_secret_overrides(secret_overrides)
     lane = building.SecretLane.from_settings(secret_dirs, secret_env)
@@ -91,7 +98,7 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
     report.revision = rev
     report.matrix_sha256 = "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest()  # for the provenance
     secrets = building.secret_files(matrix, overrides, lane)
-    options = building.BuildOptions(jobs=jobs, dry_run=dry_run,
+    options = building.BuildOptions(jobs=jobs_at_once, dry_run=dry_run,
                                     dockerfiles=dockerfiles_dir(matrix_path, dockerfiles),
                                     workdir=workdir, secrets=secrets.paths, secret_values=secrets.values,
                                     layer_timeout_s=layer_timeout_s, push=push_with)
@@ -102,7 +109,8 @@ def build(matrix_path: Path, only: tuple[str, ...], layer_refs: tuple[str, ...],
     report_at(workdir / "build-report.json")
     try:
         with view:
-            report = building.Builder(the_plan, report, options, view).run()
+            pool = layer_builder_for(builders, report, options)
+            report = building.Builder(the_plan, report, options, view, layer_builder=pool).run()
     finally:
         secrets.close()
     print_build_summary(report, workdir / "build-report.json", output_format)

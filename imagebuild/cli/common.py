@@ -21,6 +21,7 @@ from imagebuild.oci.client import RegistryError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from imagebuild.config.builders import BuildersConfig
     from imagebuild.config.trust import TrustConfig
 
 
@@ -204,6 +205,24 @@ def secret_lane_options(func: Callable[..., Any]) -> Callable[..., Any]:
         "--secret-dir", "secret_dirs", multiple=True, metavar="DIR",
         help="Let a matrix `secrets.<id>.file` name files under this directory, after resolving links "
              "(repeatable; also IMAGEBUILD_SECRET_DIRS). The system CA bundle is always allowed.")(func)
+
+
+def builders_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--builders FILE (or IMAGEBUILD_BUILDERS): the BuildKit daemons the layers are built on (config/builders.py)."""
+    return click.option(
+        "--builders", "builders_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        envvar="IMAGEBUILD_BUILDERS", metavar="FILE",
+        help="Build the layers on the BuildKit daemons this file lists (endpoints, TLS files, platforms, "
+             "concurrency; also IMAGEBUILD_BUILDERS). Default: the local Docker engine.")(func)
+
+
+def builders_and_jobs(builders_path: Path | None, jobs: int | None) -> tuple[BuildersConfig | None, int]:
+    """The builders file, read (bad input: exit 2), and the layers built at once: --jobs, else each builder's
+    concurrency added up (else 2, the local engine's default)."""
+    from imagebuild.config.builders import load_builders
+
+    config = load_builders(builders_path) if builders_path is not None else None
+    return config, jobs if jobs is not None else (config.capacity if config is not None else 2)
 
 
 workdir_option = click.option(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...],
     and what happened to it: the variant and its matrix cell, the base image digest, the layers,
     the source revision, the builder and build run, the smoke results, the scanner and its DB,
     the gate's decision with the exceptions it applied, where the signatures are, and the tags.
+    For a multi-platform image (an index) it also lists each platform's image with its own
+    verdict (signature and attestations about that child's digest); a refused child is a problem.
 
     Exit 0 when the record verified; 1 when it is missing, unsigned, signed by another key,
     about another digest or inconsistent (said on stderr); 2 on bad input; 3 when the registry
@@ -75,6 +78,8 @@ def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...],
         if release is not None:
             problems += release_problems(release.predicate, provenance.predicate if provenance else None,
                                          found.digest or "")
+    problems += [f"{child.platform} child {child.digest}: {child.reason}" for child in found.children
+                 if not child.allowed]
     if problems and found.rejected:
         problems.append(f"rejected: {'; '.join(found.rejected)}")
     record = (record_summary(provenance.predicate, release.predicate if release else None)
@@ -84,6 +89,7 @@ def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...],
         click.echo(json.dumps({
             "image": image, "digest": found.digest, "verified": not problems, "key": found.key,
             "problems": problems, "rejected": list(found.rejected), "record": record,
+            "children": [asdict(child) for child in found.children],
             "provenance": provenance.predicate if provenance else None,
             "release": release.predicate if release else None,
         }, indent=2))
@@ -91,6 +97,9 @@ def inspect_command(image: str, trust_path: Path | None, keys: tuple[Path, ...],
         from imagebuild.cli.common import stdout  # rich: for the tree only, not for --format json
 
         stdout.print(record_tree(image, found.digest, found.key, record, verified=not problems))
+    if output_format != "json":
+        for child in found.children:  # an index: every platform's image and its own verdict
+            echo(f"{image}: platform {child.line()}", err=not child.allowed)
     for problem in problems:  # may quote an unverified attestation (its predicateType) or a registry
         echo(f"{image}: {'refused' if not found.unreachable else 'unreachable'}: {problem}", err=True)
     if found.unreachable:

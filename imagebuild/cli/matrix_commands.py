@@ -114,10 +114,12 @@ def print_fanout(matrix: Matrix, selection: Selection, where: str, rev: str, cre
 
 def print_registry_plan(the_plan: planning.Plan, report: reporting.BuildReport) -> None:
     table = Table(title=f"{safe_markup(the_plan.cache_ref)}: layers for {len(report.variants)} variant(s)")
-    for column in ("layer", "key", "status"):
+    for column in ("layer", "platform", "key", "status"):
         table.add_column(column)
     for rec in report.layers:
-        table.add_row(safe_markup(rec.path), safe_markup(rec.key[:12]), safe_markup(rec.status))
+        table.add_row(safe_markup(rec.path), safe_markup(the_plan.layers[rec.key].platform if rec.key in the_plan.layers
+                                                         else "?"),
+                      safe_markup(rec.key[:12]), safe_markup(rec.status))
     stdout.print(table)
     to_build = sum(r.status == "to-build" for r in report.layers)
     reused = sum(r.status == "reused" for r in report.layers)
@@ -130,14 +132,16 @@ def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> Non
                         f"{safe_markup(the_plan.repository_ref)}")
     table.add_column("variant")
     table.add_column("tags")
+    table.add_column("platforms")
     table.add_column("layers (root first; * shared)")
     for v in the_plan.variants:
         if selected is not None and v.id not in selected:
             continue
-        chain = " > ".join(
-            f"{the_plan.layers[k].kind}{'*' if k in shared else ''}:{k[:8]}" for k in v.chain
-        )
-        table.add_row(safe_markup(v.id), "\n".join(safe_markup(t) for t in v.tags), safe_markup(chain))
+        chains = "\n".join(safe_markup(" > ".join(
+            f"{the_plan.layers[k].kind}{'*' if k in shared else ''}:{k[:8]}" for k in platform.chain
+        )) for platform in v.platform_chains)
+        platforms = "\n".join(v.platforms) + ("\n(one index)" if v.multi_platform else "")
+        table.add_row(safe_markup(v.id), "\n".join(safe_markup(t) for t in v.tags), platforms, chains)
     stdout.print(table)
     stdout.print(f"{len(the_plan.layers)} distinct layers for {the_plan.chain_length_total()} layer uses; "
                  f"{len(shared)} shared.")
@@ -213,17 +217,20 @@ def support(output_format: str) -> None:
     if output_format == "json":
         click.echo(json.dumps({
             "paddle": {v: {"python": list(e.python), "cpu": e.cpu,
-                           "gpu": [{"cuda": p.cuda, "cudnn": p.cudnn} for p in e.gpu]}
+                           "gpu": [{"cuda": p.cuda, "cudnn": p.cudnn} for p in e.gpu],
+                           "platforms": {d: list(e.platforms_for(d)) for d in ("cpu", "gpu")}}
                        for v, e in table_data.paddle.items()},
             "driver_minimum": table_data.driver_minimum,
         }, indent=2))
         return
     table = Table(title="Paddle support table")
-    for column in ("paddle", "CUDA/cuDNN", "Python", "CPU"):
+    for column in ("paddle", "CUDA/cuDNN", "Python", "CPU", "platforms (CPU / GPU)"):
         table.add_column(column)
     for version in table_data.paddle_versions():
         e = table_data.paddle[version]
-        table.add_row(version, ", ".join(str(p) for p in e.gpu), ", ".join(e.python), "yes" if e.cpu else "no")
+        platforms = f"{', '.join(e.platforms_for('cpu'))} / {', '.join(e.platforms_for('gpu'))}"
+        table.add_row(version, ", ".join(str(p) for p in e.gpu), ", ".join(e.python), "yes" if e.cpu else "no",
+                      platforms)
     stdout.print(table)
     drivers = Table(title="Minimum NVIDIA driver")
     drivers.add_column("CUDA")

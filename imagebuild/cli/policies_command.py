@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from imagebuild.admission import policies as policy_files
-from imagebuild.admission.webhook_image import KEEP_TAG_FLAG, webhook_image
+from imagebuild.admission.webhook_image import KEEP_TAG_FLAG, UNVERIFIED_FLAG, webhook_image
 from imagebuild.cli.common import DEFAULT_TRUST_CONFIG, echo, format_option, reports_input_errors, trust_file_option
 from imagebuild.config.trust import load_trust_config
 from imagebuild.core.errors import ExitCode
@@ -96,12 +96,16 @@ def policies_group() -> None:
                                  "(default: cert-manager injects it).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 and list the drift if any file differs.")
 @click.option(KEEP_TAG_FLAG, "keep_tag", is_flag=True,
-              help="Write webhook.image as the trust file says when it is a tag, instead of pinning it to "
-                   "the digest its registry serves (the Deployment then runs whatever the tag names at each start).")
+              help="For a trust file naming no webhook.image: write the placeholder image as it is (nothing "
+                   "to resolve or verify). Refused when webhook.image is set.")
+@click.option(UNVERIFIED_FLAG, "unverified", is_flag=True,
+              help="INSECURE, for a first install whose webhook image is not signed yet: pin webhook.image "
+                   "without verifying it (a warning says so), so the Deployment may run an image nobody "
+                   "trusted vouches for, chosen by whoever can push to its repository.")
 @format_option("table", "json")
 @reports_input_errors
 def generate(trust_path: Path, out: Path | None, ca_bundle: Path | None, check: bool, keep_tag: bool,
-             output_format: str) -> None:
+             unverified: bool, output_format: str) -> None:
     """Write a sigstore ClusterImagePolicy, a Kyverno ClusterPolicy and ImageValidatingPolicy,
     the manifests of `imagebuild admission serve`, and the workload namespaces labelled for Pod
     Security Admission (when the trust file lists `namespaces`), from one trust configuration.
@@ -109,8 +113,10 @@ def generate(trust_path: Path, out: Path | None, ca_bundle: Path | None, check: 
     Every key in the configuration is accepted (any one suffices), so a key rotation lists both
     keys until every image is signed with the new one. The webhook's Deployment names its image
     by digest: a tag in webhook.image is resolved through its registry (exit 2 when the tag does
-    not exist, 3 when the registry cannot be asked) unless --keep-webhook-tag. The same
-    configuration (and digest) always gives the same bytes.
+    not exist, 3 when the registry cannot be asked). Before any file names it, that digest (or
+    the one written) is verified as the webhook verifies any image: exit 1 and nothing written
+    when it is refused, 3 when its registry cannot be asked. The same configuration (and digest)
+    always gives the same bytes.
 
     \b
     Examples:
@@ -118,14 +124,14 @@ def generate(trust_path: Path, out: Path | None, ca_bundle: Path | None, check: 
       imagebuild policies generate --check               # CI: exit 1 when committed files drifted
       imagebuild policies generate --trust examples/local/trust.yaml --out /tmp/admission
       imagebuild policies generate --ca-bundle ca.pem    # caBundle inline instead of cert-manager
-      imagebuild policies generate --keep-webhook-tag    # webhook.image's tag left unpinned
+      imagebuild policies generate --keep-webhook-tag    # no webhook.image: the placeholder, as it is
       imagebuild policies generate --format json | jq '.files[].path'
     """
     config = load_trust_config(trust_path)
     bundle = ca_bundle.read_bytes() if ca_bundle is not None else None
     if bundle is not None and b"-----BEGIN CERTIFICATE-----" not in bundle:
         raise InputError(str(ca_bundle), None, "", "is not a PEM certificate bundle")
-    image = webhook_image(config, keep_tag=keep_tag)
+    image = webhook_image(config, keep_tag=keep_tag, unverified=unverified, warn=lambda line: echo(line, err=True))
     files = policy_files.generate(config, policy_files.Options(source=_source_name(trust_path), ca_bundle=bundle,
                                                                webhook_image=image))
     root = out if out is not None else trust_path.parent / "admission"

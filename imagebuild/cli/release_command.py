@@ -14,6 +14,8 @@ from rich.table import Table
 from imagebuild.checks import scan as scanning
 from imagebuild.cli.common import (
     _revision,
+    builders_and_jobs,
+    builders_option,
     echo,
     format_option,
     matrix_option,
@@ -66,8 +68,9 @@ def checked_scan_source(offline: bool, db_repository: str | None) -> None:
 @only_option
 @click.option("--registry", "registry", default=None, metavar="HOST[:PORT]",
               help="The staging registry to build into, instead of the matrix's `registry` (CI passes its own).")
-@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="Independent layers built at once.")
+@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=None,
+              help="Independent layers built at once [default: 2; with --builders, their concurrency added up].")
+@builders_option
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild"),
               show_default=True, help="Where the build report and every stage's results go.")
 @click.option("--dockerfiles", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -84,7 +87,8 @@ def checked_scan_source(offline: bool, db_repository: str | None) -> None:
 @trust_file_option("With --push-to: the trust config push verifies against [default: policies/trust.yaml].")
 @format_option("table", "json")
 @reports_input_errors
-def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | None, jobs: int, workdir: Path,
+def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | None, jobs: int | None,
+                    builders_path: Path | None, workdir: Path,
                     dockerfiles: Path | None, secret_overrides: tuple[str, ...], secret_dirs: tuple[str, ...],
                     secret_env: tuple[str, ...], revision: str | None, tier: str,
                     policy_path: Path, cache_dir: Path, offline: bool, db_repository: str | None, key: str,
@@ -123,6 +127,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     if registry is not None and not re.fullmatch(_HOST, registry):
         raise InputError("--registry", None, registry, "is not a registry host[:port]")
     checked_scan_source(offline, db_repository)
+    builders, jobs_at_once = builders_and_jobs(builders_path, jobs)
     matrix = with_registry(load_matrix(matrix_path), registry)
     from imagebuild.build import scheduler as building
 
@@ -138,7 +143,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
         raise InputError("--trust", None, "", "is for the push stage: add --push-to REGISTRY/PROJECT")
     rev, created = _revision(revision)
     dockerfiles = dockerfiles or matrix_path.parent / "dockerfiles"
-    options = ReleaseOptions(workdir=workdir, jobs=jobs, dockerfiles=dockerfiles,
+    options = ReleaseOptions(workdir=workdir, jobs=jobs_at_once, builders=builders, dockerfiles=dockerfiles,
                              secret_overrides=secret_overrides, secret_lane=lane, smoke_tier=tier,
                              policy=policy_path, push_to=push_to)
     scan_options = scanning.ScanOptions(workdir=workdir, dockerfiles=dockerfiles, cache_dir=cache_dir,

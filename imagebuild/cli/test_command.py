@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from imagebuild.checks.smoke import DEFAULT_EMULATION_FACTOR
 from imagebuild.cli.common import echo, format_option, only_option, report_at, reports_input_errors
 from imagebuild.config.selection import Selection
 from imagebuild.core.errors import ExitCode
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
               help="Request the host's GPUs for GPU variants: auto = when this host has an NVIDIA GPU.")
 @click.option("--timeout", "timeout_s", type=click.IntRange(10, 86400), default=900, show_default=True,
               help="Seconds per image; the container is killed after that.")
+@click.option("--emulation-factor", type=click.FloatRange(1, 100), default=DEFAULT_EMULATION_FACTOR, show_default=True,
+              help="Scale every time limit (each test's, --timeout) of an image this host runs under emulation "
+                   "(qemu-user: another platform's child of an index) by this much.")
 @click.option("--memory", default="8g", show_default=True, help="Memory limit per container.")
 @click.option("--cpus", type=click.FloatRange(0.1, 1024), default=None,
               help="CPU limit per container (default: 4, or this host's count if fewer).")
@@ -49,8 +53,8 @@ if TYPE_CHECKING:
 @format_option("table", "json")
 @reports_input_errors
 def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...], matrix_path: Path | None, only: tuple[str, ...],
-                 tier: str, gpus: str, timeout_s: int, memory: str, cpus: float | None, pids_limit: int,
-                 out: Path | None, harness: Path | None, force: bool, output_format: str) -> None:
+                 tier: str, gpus: str, timeout_s: int, emulation_factor: float, memory: str,
+                 cpus: float | None, pids_limit: int, out: Path | None, harness: Path | None, force: bool, output_format: str) -> None:
     """Run the smoke tests (smoke_tests/) inside each image: the abi tier anywhere, the gpu tier on GPU hosts.
 
     Each image runs as its own non-root user with the network off, resource limits, a read-only
@@ -77,7 +81,8 @@ def test_command(workdir: Path, report_path: Path | None, images: tuple[str, ...
         raise InputError("--memory", None, "", f"'{memory}' is not a size like 8g or 512m")
     out = out or (Path(".imagebuild/smoke") if images else report_path.parent / "smoke")
     options = smoke_run.RunOptions(timeout_s=timeout_s, memory=memory, cpus=cpus or min(4.0, float(os.cpu_count() or 1)),
-                               pids_limit=pids_limit, tier=tier, gpus=gpus, force=force)
+                               pids_limit=pids_limit, tier=tier, gpus=gpus, force=force,
+                               emulation_factor=emulation_factor)
 
     def make_runner() -> smoke_run.SmokeRunner:  # called once the input checked out
         runner = smoke_run.SmokeRunner(smoke_run.docker_client(), options, out,

@@ -47,6 +47,12 @@ def verify_command(images: tuple[str, ...], trust_path: Path | None, keys: tuple
     vulnerability at or above block_severity. Images outside the config's registries and
     repositories are refused.
 
+    A multi-platform image (an OCI index) is verified whole: the index's own signature (and
+    release record, when required), then every child: an image manifest whose config says the
+    platform the index lists it under, with its own signature and the other required
+    attestations about its own digest. One refused child refuses the index, naming its platform.
+    A child's digest is verified as an image of its own.
+
     Exit 0 when every image is allowed; 1 when any is refused (one line each on stderr:
     `IMAGE: refused: reason`); 2 on bad input; 3 when a registry cannot be reached.
 
@@ -87,6 +93,8 @@ def verify_command(images: tuple[str, ...], trust_path: Path | None, keys: tuple
                 echo(f"{verdict.image}: {verdict.reason}", err=True)  # "registry unreachable: ..."
             else:
                 echo(f"{verdict.image}: refused: {verdict.reason}", err=True)
+            for child in verdict.children:  # an index: each platform's image, as it verified itself
+                echo(f"  {child.line()}", err=not child.allowed)
     if any(not v.allowed and not v.unreachable for v in verdicts):
         sys.exit(ExitCode.FAILED)
     if any(v.unreachable for v in verdicts):

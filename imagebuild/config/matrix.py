@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuild.config.support import CudaPair, SupportTable, load_support_table
+from imagebuild.config.support import DEFAULT_PLATFORM, PLATFORMS, CudaPair, SupportTable, load_support_table
 from imagebuild.core.source import Document, PathKey, Reader, known_list, load_document, suggest
 
 SCHEMA_VERSION = 1
@@ -152,6 +152,14 @@ class Combination:
     # Extra smoke tests an include entry adds (absolute paths). Tests, not image content:
     # nothing in plan.py reads them, so they never change a layer's content key.
     smoke: tuple[str, ...] = ()
+    # The platforms this variant is built for (one image per platform; with two or more, an OCI
+    # image index of them). Not an axis: every platform of a variant shares its tags.
+    platforms: tuple[str, ...] = (DEFAULT_PLATFORM,)
+    platforms_origin: PathKey = ()  # where the platforms were given, for error lines
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.cuda == CPU else "gpu"
 
     @property
     def axes(self) -> dict[str, str]:
@@ -203,7 +211,7 @@ def _display(path: str | Path) -> str:
 
 TOP_LEVEL = ("schema", "name", "registry", "project", "repository", "cache_repository", "source",
              "labels", "secrets", "user", "setuid_allowlist", "os", "cuda", "matrix", "tags",
-             "layers", "extra_layers", "allow_unsupported", "smoke")
+             "layers", "extra_layers", "allow_unsupported", "smoke", "platforms")
 SMOKE_ALL = "all"  # the `smoke` key whose tests run in every variant
 
 
@@ -242,7 +250,8 @@ class MatrixParser:
         smoke = self._smoke(top.get("smoke", {}), ("smoke",), extra)
         tags = self._tags(top["tags"], ("tags",))
         allowed = self._allow_unsupported(top.get("allow_unsupported", []), ("allow_unsupported",))
-        combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs)
+        platforms = self._platforms_by_device(top.get("platforms", {}), ("platforms",))
+        combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs, platforms)
         self._check_extra_layers_apply(extra, combos)
         self._check_support(combos, cuda_specs, allowed)
         return Matrix(
@@ -589,13 +598,13 @@ class MatrixParser:
         out = []
         for i, item in enumerate(items):
             p = path + (i,)
-            spec = self.r.mapping(item, p, allowed=AXES + ("reason",), required=("reason",))
+            spec = self.r.mapping(item, p, allowed=AXES + ("platform", "reason"), required=("reason",))
             reason = self.r.string(spec["reason"], p + ("reason",))
             if len(reason.strip()) < 10:
                 raise self.r.error(p + ("reason",), "say why in a sentence (at least 10 characters)")
-            match = {k: self.r.string(v, p + (k,)) for k, v in spec.items() if k in AXES}
+            match = {k: self.r.string(v, p + (k,)) for k, v in spec.items() if k in AXES + ("platform",)}
             if not match:
-                raise self.r.error(p, "name at least one of os, cuda, python, paddle")
+                raise self.r.error(p, "name at least one of os, cuda, python, paddle, platform")
             out.append((match, p))
         return out
 
@@ -629,8 +638,31 @@ class MatrixParser:
                 raise self.r.error(path, f"'{text}' is not in the support table (known: {known_list(self.support.paddle_versions(), 6)})")
         return text
 
+    def _platform_list(self, value: Any, path: PathKey) -> tuple[str, ...]:
+        items = self.r.sequence(value, path, non_empty=True)
+        out: list[str] = []
+        for i, item in enumerate(items):
+            text = self._line(item, path + (i,))
+            if text not in PLATFORMS:
+                raise self.r.error(path + (i,), f"'{text}' is not a platform imagebuild builds"
+                                                f"{suggest(text, PLATFORMS)} (known: {', '.join(PLATFORMS)})")
+            if text in out:
+                raise self.r.error(path + (i,), f"'{text}' is listed twice")
+            out.append(text)
+        return tuple(out)
+
+    def _platforms_by_device(self, value: Any, path: PathKey) -> dict[str, tuple[tuple[str, ...], PathKey]]:
+        """`platforms: {cpu: [...], gpu: [...]}`: each device's platforms and where they were given."""
+        spec = self.r.mapping(value, path, allowed=("cpu", "gpu"))
+        default: tuple[tuple[str, ...], PathKey] = ((DEFAULT_PLATFORM,), ())
+        out = {device: default for device in ("cpu", "gpu")}
+        for device, listed in spec.items():
+            out[device] = (self._platform_list(listed, path + (device,)), path + (device,))
+        return out
+
     def _expand(self, value: Any, path: PathKey, os_specs: dict[str, OSSpec],
-                cuda_specs: dict[str, CudaSpec]) -> list[Combination]:
+                cuda_specs: dict[str, CudaSpec],
+                platforms: dict[str, tuple[tuple[str, ...], PathKey]]) -> list[Combination]:
         matrix = self.r.mapping(value, path, allowed=AXES + ("exclude", "include"), required=AXES)
         axes = {axis: self._axis_values(matrix, path, axis, os_specs, cuda_specs) for axis in AXES}
         product = 1
@@ -662,7 +694,7 @@ class MatrixParser:
         added: list[_Cell] = []
         for i, entry in enumerate(self.r.sequence(matrix.get("include", []), path + ("include",))):
             p = path + ("include", i)
-            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels", "smoke"))
+            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels", "smoke", "platforms"))
             axis_part = {a: self._axis_value(a, entry[a], p + (a,), os_specs, cuda_specs)
                          for a in AXES if a in entry}
             extras: dict[str, Any] = {}
@@ -673,6 +705,9 @@ class MatrixParser:
                 extras["labels"] = self._labels(entry["labels"], p + ("labels",))
             if "smoke" in entry:
                 extras["smoke"] = self._smoke_paths(entry["smoke"], p + ("smoke",))
+            if "platforms" in entry:
+                extras["platforms"] = self._platform_list(entry["platforms"], p + ("platforms",))
+                extras["platforms_origin"] = p + ("platforms",)
             # GitHub semantics: extend every original combination it does not contradict...
             matched = [c for c in combos if all(c.axes[a] == v for a, v in axis_part.items())]
             if matched:
@@ -690,13 +725,16 @@ class MatrixParser:
         cells = combos + added
         if not cells:
             raise self.r.error(path, "expands to no combination at all")
-        return [
-            Combination(os=c.axes["os"], cuda=c.axes["cuda"], python=c.axes["python"],
-                        paddle=c.axes["paddle"], tags=c.extras.get("tags"),
-                        labels=c.extras.get("labels", ()), origin=c.origin,
-                        tags_origin=c.extras.get("tags_origin", ()), smoke=c.extras.get("smoke", ()))
-            for c in cells
-        ]
+        out = []
+        for c in cells:
+            device_platforms, device_origin = platforms["cpu" if c.axes["cuda"] == CPU else "gpu"]
+            out.append(Combination(
+                os=c.axes["os"], cuda=c.axes["cuda"], python=c.axes["python"], paddle=c.axes["paddle"],
+                tags=c.extras.get("tags"), labels=c.extras.get("labels", ()), origin=c.origin,
+                tags_origin=c.extras.get("tags_origin", ()), smoke=c.extras.get("smoke", ()),
+                platforms=c.extras.get("platforms", device_platforms),
+                platforms_origin=c.extras.get("platforms_origin", device_origin)))
+        return out
 
     def _check_extra_layers_apply(self, extra: tuple[ExtraLayer, ...], combos: list[Combination]) -> None:
         """Like an exclude that excludes nothing, a `when` that matches no variant is a mistake."""
@@ -710,25 +748,32 @@ class MatrixParser:
         used = set()
         for combo in combos:
             pair = None if combo.cuda == CPU else cuda_specs[combo.cuda].pair
-            problem = self.support.problem(combo.paddle, combo.python, pair)
-            if problem is None:
-                continue
-            waiver = next((i for i, (m, _) in enumerate(allowed)
-                           if all(combo.axes.get(k) == v for k, v in m.items())), None)
-            if waiver is not None:
-                used.add(waiver)
-                continue
-            # A cell of the product is blamed on an axis value; an include entry on itself.
-            path = self._blame(combo) if combo.origin == ("matrix",) else combo.origin
-            raise self.r.error(path, f"{problem}; exclude it or list it under allow_unsupported with a reason")
+            for index, platform in enumerate(combo.platforms):
+                problem = self.support.problem(combo.paddle, combo.python, pair, platform)
+                if problem is None:
+                    continue
+                cell = combo.axes | {"platform": platform}
+                waiver = next((i for i, (m, _) in enumerate(allowed)
+                               if all(cell.get(k) == v for k, v in m.items())), None)
+                if waiver is not None:
+                    used.add(waiver)
+                    continue
+                raise self.r.error(self._blame(combo, pair, index),
+                                   f"{problem}; exclude it or list it under allow_unsupported with a reason")
         for i, (_, p) in enumerate(allowed):
             if i not in used:
                 raise self.r.error(p, "allows nothing: every combination it matches is supported or absent (remove it)")
 
-    def _blame(self, combo: Combination) -> PathKey:
-        """Point an unsupported product cell at the axis value that makes it unsupported."""
-        matrix = self.doc.data["matrix"]
+    def _blame(self, combo: Combination, pair: CudaPair | None, index: int) -> PathKey:
+        """Point an unsupported cell at what makes it unsupported: the platform entry when the rest
+        of the cell is supported, else a product cell's axis value or the include entry that added it."""
         entry = self.support.paddle[combo.paddle]
+        rest_supported = combo.python in entry.python and (entry.cpu if pair is None else pair in entry.gpu)
+        if rest_supported and combo.platforms_origin:
+            return combo.platforms_origin + (index,)
+        if combo.origin != ("matrix",):
+            return combo.origin
+        matrix = self.doc.data["matrix"]
         axis = "python" if combo.python not in entry.python else "cuda"
         values = [str(v) for v in matrix[axis]]
         return ("matrix", axis, values.index(getattr(combo, axis)))

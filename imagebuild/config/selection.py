@@ -1,10 +1,11 @@
 """`--only`: one variant selector for every command (pure: no I/O).
 
     SELECTOR := ID | AXIS=VALUE[,VALUE...]
-    AXIS     := id | os | device | cuda | cudnn | python | paddle
+    AXIS     := id | os | device | cuda | cudnn | python | paddle | platform
 
 A bare word is a variant id. `cuda=cpu` and `cudnn=none` select the CPU variants. Commas give
-alternatives on one axis (`python=3.10,3.11`). `--only` is repeatable; a variant is selected
+alternatives on one axis (`python=3.10,3.11`). `platform=linux/arm64` selects the variants built
+for that platform (a multi-platform variant is selected whole: its index needs every platform). `--only` is repeatable; a variant is selected
 when any selector matches it. An unknown axis or an empty value is bad input (exit 2), and so
 is a selection that matches no variant: a CI job that quietly does nothing is worse than one
 that stops.
@@ -21,7 +22,7 @@ from typing import Protocol, TypeVar
 
 from imagebuild.core.source import InputError, known_list, suggest
 
-AXES = ("id", "os", "device", "cuda", "cudnn", "python", "paddle")
+AXES = ("id", "os", "device", "cuda", "cudnn", "python", "paddle", "platform")
 OPTION = "--only"
 HELP = ("Variant id, or AXIS=VALUE[,VALUE...] with AXIS one of " + ", ".join(AXES)
         + " (cuda=cpu for CPU variants); repeatable, any match selects.")
@@ -42,6 +43,8 @@ class Selectable(Protocol):
     def python(self) -> str: ...
     @property
     def paddle(self) -> str: ...
+    @property
+    def platforms(self) -> Sequence[str]: ...
 
 
 T = TypeVar("T", bound=Selectable)
@@ -59,6 +62,8 @@ class Selector:
     text: str  # as given, for messages
 
     def matches(self, variant: Selectable) -> bool:
+        if self.axis == "platform":
+            return any(p in self.values for p in variant.platforms)
         return axis_values(variant)[self.axis] in self.values
 
 

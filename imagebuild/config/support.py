@@ -1,11 +1,14 @@
 """The Paddle / CUDA / cuDNN / Python / driver support table (data in data/support.yaml)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
 from imagebuild.core.source import parse_document
+
+DEFAULT_PLATFORM = "linux/amd64"  # a release without a `platforms` entry, and a matrix without one
+PLATFORMS = ("linux/amd64", "linux/arm64")  # what imagebuild builds; BuildKit's names
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class PaddleSupport:
     python: tuple[str, ...]
     cpu: bool
     gpu: tuple[CudaPair, ...]
+    # device ("cpu", "gpu") -> the platforms this release ships wheels for
+    platforms: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def platforms_for(self, device: str) -> tuple[str, ...]:
+        return self.platforms.get(device, (DEFAULT_PLATFORM,))
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,8 @@ class SupportTable:
             return self.driver_minimum[cuda]
         return self.driver_minimum.get(cuda.split(".")[0])
 
-    def problem(self, paddle: str, python: str, cuda: CudaPair | None) -> str | None:
+    def problem(self, paddle: str, python: str, cuda: CudaPair | None,
+                platform: str = DEFAULT_PLATFORM) -> str | None:
         """Why this combination is outside the table, or None when it is supported."""
         entry = self.paddle.get(paddle)
         if entry is None:
@@ -48,12 +57,17 @@ class SupportTable:
         if python not in entry.python:
             return (f"paddle {paddle} does not support Python {python} "
                     f"(supported: {', '.join(entry.python)})")
-        if cuda is None:
-            return None if entry.cpu else f"paddle {paddle} has no CPU build"
-        if cuda not in entry.gpu:
+        if cuda is None and not entry.cpu:
+            return f"paddle {paddle} has no CPU build"
+        if cuda is not None and cuda not in entry.gpu:
             pairs = ", ".join(str(p) for p in entry.gpu) or "none"
             return (f"paddle {paddle} does not support CUDA {cuda.cuda} with cuDNN {cuda.cudnn} "
                     f"(supported CUDA/cuDNN: {pairs})")
+        device = "cpu" if cuda is None else "gpu"
+        shipped = entry.platforms_for(device)
+        if platform not in shipped:
+            return (f"paddle {paddle} has no {device.upper()} build for {platform} "
+                    f"(platforms: {', '.join(shipped)})")
         return None
 
 
@@ -71,6 +85,8 @@ def load_support_table() -> SupportTable:
             python=tuple(str(p) for p in entry["python"]),
             cpu=bool(entry.get("cpu", False)),
             gpu=tuple(CudaPair(str(g["cuda"]), str(g["cudnn"])) for g in entry.get("gpu", [])),
+            platforms={str(device): tuple(str(p) for p in listed)
+                       for device, listed in (entry.get("platforms") or {}).items()},
         )
         for version, entry in raw["paddle"].items()
     }

@@ -18,7 +18,7 @@ Without it, quarantine is enforced by rollouts only.
 
 `webhook: {namespace, name, image, port}` describes imagebuild's own webhook as `policies generate`
 writes its manifests; `image` is a reference (a tag, which generate pins to its digest, or a digest),
-checked by generate, the one command that uses it.
+checked by generate, the one command that uses it, which also verifies that digest against this file.
 
 `namespaces` lists the cluster's workload namespaces, which `policies generate` labels for Kubernetes'
 Pod Security Admission (`pod-security.kubernetes.io/enforce`, `warn`, `audit` and their versions):

@@ -44,11 +44,11 @@ import os
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from imagebuild.core.source import InputError
 
@@ -87,6 +87,12 @@ class ReportStatus(_Word):
     OK = "ok"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+
+
+class BuilderStatus(_Word):
+    UNPROBED = "unprobed"  # no layer was due, so it was never asked
+    UP = "up"  # it answered the probe and has not failed since
+    DOWN = "down"  # unreachable at the start, or it went away mid-build: nothing more went to it
 
 
 class StageStatus(_Word):
@@ -183,9 +189,79 @@ class RequiredStage(StageRecord, ABC):
         """Why the image `digest` may not go on past this stage, or None: this record passed on that very image."""
 
 
+P = TypeVar("P", bound="PerPlatformStage")
+
+
+class PerPlatformStage(RequiredStage):
+    """A stage that judges each child of a multi-platform variant on its own: smoke, scan, gate.
+
+    The variant's record says the stage as a whole (`of_children`): about the index's digest, passing
+    only when every child passed on its own digest, else the first child that did not, by platform
+    ("linux/arm64: ..."). Each child's own record, of the same class, lies under `per_platform`
+    (platform -> its dict), so a later stage can check the very child it goes on with. A
+    single-platform variant's record has none and reads as it always did.
+    """
+
+    PASSING: ClassVar[StageStatus] = StageStatus.PASSED
+    digest: str | None
+    per_platform: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if not self.per_platform:
+            del out["per_platform"]
+        return out
+
+    def for_platform(self: P, platform: str) -> P | None:
+        """The record of one child, as it was recorded; None when this record has none for `platform`."""
+        data = self.per_platform.get(platform)
+        return type(self).from_dict(data) if isinstance(data, dict) else None
+
+    def children_refusal(self, digest: str | None, children: Iterable[ChildImage]) -> str | None:
+        """Why a multi-platform variant (index `digest`, these children) may not go on past this stage:
+        the record is about another index, or a child has no record or did not pass on its own digest."""
+        if self.digest != digest or not self.per_platform:  # about another image, or one that never reached the children
+            return self.refusal(digest) or f"{self.STAGE}: no per-platform result for this index (run it again)"
+        children = list(children)
+        if not children:
+            return "the build recorded no per-platform images for this index"
+        for child in children:
+            record = self.for_platform(child.platform)
+            why = self.MISSING if record is None else record.refusal(child.digest)
+            if why is not None:
+                return f"{child.platform}: {why}"
+        return None
+
+    @classmethod
+    def of_children(cls: type[P], digest: str | None, image: str | None,
+                    children: Sequence[tuple[ChildImage, P]]) -> P:
+        """The variant's record from each child's own (in platform order): see the class."""
+        why = None
+        status = cls.PASSING
+        for child, record in children:
+            refused = record.refusal(child.digest)
+            if refused is not None:
+                why = f"{child.platform}: {refused}"
+                status = record.status if record.status != cls.PASSING else StageStatus.FAILED
+                break
+        return cls.from_dict({**cls.summed([r for _, r in children]), "status": status, "digest": digest,
+                              "image": image, **cls.reason_fields(why),
+                              "per_platform": {c.platform: r.to_dict() for c, r in children}})
+
+    @classmethod
+    def summed(cls: type[P], records: Sequence[P]) -> dict[str, Any]:
+        """What the variant's record says of its children besides status and reason (counts): none by default."""
+        return {}
+
+    @classmethod
+    @abstractmethod
+    def reason_fields(cls, why: str | None) -> dict[str, Any]:
+        """The record's fields that say `why` it did not pass (None: it passed)."""
+
+
 @stage_record("smoke")
 @dataclass
-class SmokeStage(RequiredStage):
+class SmokeStage(PerPlatformStage):
     """`imagebuild test`: the smoke suite run inside the image (smoke_run.SmokeRunner.execute makes it)."""
 
     status: StageStatus  # passed, failed, error
@@ -206,9 +282,29 @@ class SmokeStage(RequiredStage):
     gpu_requested: bool = False
     tiers: list[str] = field(default_factory=list)
     suite_digest: str | None = None  # what the run depended on besides the image
+    emulated: bool = False  # ran under emulation (qemu-user), with the time limits scaled by `time_factor`
+    time_factor: float = 1.0
+    per_platform: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-platform: each child's record
     extra: dict[str, Any] = field(default_factory=dict)
 
     MISSING: ClassVar[str] = "no smoke test result (run `imagebuild test` first)"
+    _COUNTS: ClassVar[tuple[str, ...]] = ("passed", "failed", "errors", "skipped")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if not self.emulated and self.time_factor == 1.0:  # a native run's record reads as it always did
+            del out["emulated"], out["time_factor"]
+        return out
+
+    @classmethod
+    def summed(cls, records: Sequence[SmokeStage]) -> dict[str, Any]:
+        """The children's counts added up, and the tiers every child ran."""
+        tiers = [t for t in (records[0].tiers if records else []) if all(t in r.tiers for r in records)]
+        return {**{name: sum(getattr(r, name) for r in records) for name in cls._COUNTS}, "tiers": tiers}
+
+    @classmethod
+    def reason_fields(cls, why: str | None) -> dict[str, Any]:
+        return {"reason": why}
 
     def refusal(self, digest: str | None) -> str | None:
         """Passed, with the abi tier, on this very image."""
@@ -224,7 +320,7 @@ class SmokeStage(RequiredStage):
 
 @stage_record("scan")
 @dataclass
-class ScanStage(RequiredStage):
+class ScanStage(PerPlatformStage):
     """`imagebuild scan`: Trivy over the image by digest; the reports lie under WORKDIR/scan/."""
 
     status: StageStatus  # ok, failed, skipped
@@ -240,9 +336,26 @@ class ScanStage(RequiredStage):
     dockerfiles: list[str] = field(default_factory=list)  # the chain's Dockerfiles, root first
     counts: dict[str, Any] = field(default_factory=dict)
     layers: dict[str, Any] | None = None  # scan.LayerUse.record()
+    per_platform: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-platform: each child's record
     extra: dict[str, Any] = field(default_factory=dict)
 
     MISSING: ClassVar[str] = "no scan result (run imagebuild scan)"
+    PASSING: ClassVar[StageStatus] = StageStatus.OK
+
+    @classmethod
+    def summed(cls, records: Sequence[ScanStage]) -> dict[str, Any]:
+        """What every child's scan shares (one Trivy, one DB, one chain of Dockerfiles), and the time taken."""
+        first = records[0] if records else None
+        return {"trivy_version": first.trivy_version if first else None,
+                "db_updated_at": first.db_updated_at if first else None,
+                "scanned_at": first.scanned_at if first else None,
+                "dockerfiles_root": first.dockerfiles_root if first else None,
+                "dockerfiles": list(first.dockerfiles) if first else [],
+                "duration_s": round(sum(r.duration_s or 0 for r in records), 1)}
+
+    @classmethod
+    def reason_fields(cls, why: str | None) -> dict[str, Any]:
+        return {"error": why}
 
     def refusal(self, digest: str | None) -> str | None:
         """Ran (ok) on this very image; what it found is the gate's business."""
@@ -255,7 +368,7 @@ class ScanStage(RequiredStage):
 
 @stage_record("gate")
 @dataclass
-class GateStage(RequiredStage):
+class GateStage(PerPlatformStage):
     """`imagebuild gate`: the policy's verdict on the scan (gate.stage_record() makes it)."""
 
     status: StageStatus  # passed, failed
@@ -271,9 +384,24 @@ class GateStage(RequiredStage):
     excepted: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    per_platform: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-platform: each child's record
     extra: dict[str, Any] = field(default_factory=dict)
 
     MISSING: ClassVar[str] = "no gate result; run `imagebuild scan` and `imagebuild gate` first"
+
+    @classmethod
+    def summed(cls, records: Sequence[GateStage]) -> dict[str, Any]:
+        """The one policy every child was judged by, and their counts; each child's findings are in its own record."""
+        first = records[0] if records else None
+        return {"policy": first.policy if first else None, "evaluated_on": first.evaluated_on if first else None,
+                "strict": first.strict if first else False, "severity": first.severity if first else None,
+                "ignore_unfixed": first.ignore_unfixed if first else False,
+                "counts": {k: sum(r.counts.get(k, 0) for r in records) for r in records[:1] for k in r.counts},
+                "warnings": list(dict.fromkeys(w for r in records for w in r.warnings))}
+
+    @classmethod
+    def reason_fields(cls, why: str | None) -> dict[str, Any]:
+        return {"problems": [why] if why else []}
 
     def refusal(self, digest: str | None) -> str | None:
         """Judged this very image, and passed; else what blocks it (the first five)."""
@@ -291,7 +419,7 @@ class GateStage(RequiredStage):
 
 @stage_record("sign")
 @dataclass
-class SignStage(RequiredStage):
+class SignStage(PerPlatformStage):
     """`imagebuild sign`: the cosign signature and the six attestations, by digest (sign.py)."""
 
     status: StageStatus  # passed, failed, refused, interrupted
@@ -309,9 +437,15 @@ class SignStage(RequiredStage):
     cosign_version: str | None = None
     signed_at: str | None = None
     reason: str | None = None  # why refused or failed
+    # Multi-platform: each child's own signature and attestations (this record is the index's own).
+    per_platform: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     MISSING: ClassVar[str] = "not signed (run `imagebuild sign` first)"
+
+    @classmethod
+    def reason_fields(cls, why: str | None) -> dict[str, Any]:
+        return {"reason": why}
 
     def refusal(self, digest: str | None) -> str | None:
         """Signed this very image."""
@@ -376,6 +510,7 @@ class LayerRecord(_StatusField):
     kind: str
     path: str
     image: str  # cache repository reference with tag
+    platform: str = "linux/amd64"  # the platform this layer image is built for
     status: LayerStatus = LayerStatus.PENDING
     digest: str | None = None
     base_digest: str | None = None  # the image it was built FROM
@@ -385,9 +520,11 @@ class LayerRecord(_StatusField):
     steps: dict[str, float] | None = None  # seconds per step: build_s, export_s, compress_s, upload_s, push_s
     pushed_by: str | None = None  # "imagebuild (engine storage)", "imagebuild (docker save)" or "docker push"
     blobs: dict[str, int] | None = None  # uploaded, uploaded_bytes, present (already in the registry)
+    builder: str | None = None  # with a builders file: the builder (its name) that built it, or tried last
+    attempts: int | None = None  # with a builders file: builds started for it (more than 1: a builder went down)
 
     # Written only when set: a layer that was reused, not pushed, reads as it did before they existed.
-    _OPTIONAL: ClassVar[tuple[str, ...]] = ("steps", "pushed_by", "blobs")
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("steps", "pushed_by", "blobs", "builder", "attempts")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)
@@ -396,6 +533,34 @@ class LayerRecord(_StatusField):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerRecord:
         return cls(**_known(cls, data))
+
+
+@dataclass(frozen=True)
+class ChildImage:
+    """One platform's image in a multi-platform variant's index: the manifest a node of that platform runs."""
+
+    platform: str
+    digest: str
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ChildImage:
+        return cls(platform=str(data["platform"]), digest=str(data["digest"]))
+
+
+@dataclass(frozen=True)
+class PlatformImage(Generic[P]):
+    """One image of a variant as a per-platform stage sees it: which platform (None: the variant's only
+    image), its digest and reference, and that stage's record of it (None: none yet)."""
+
+    platform: str | None
+    digest: str
+    image: str
+    record: P | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name it: the platform of a child, else nothing."""
+        return f"{self.platform}: " if self.platform else ""
 
 
 @dataclass
@@ -418,6 +583,37 @@ class VariantRecord(_StatusField):
     image: str | None = None  # repository@digest
     stages: dict[str, Stage] = field(default_factory=dict)  # each later stage's record, by stage name
     os: str | None = None  # None in reports written before it was recorded
+    platforms: list[str] = field(default_factory=lambda: ["linux/amd64"])
+    error: str | None = None  # why it failed: which platform
+    # With two or more platforms `digest` names an OCI image index, and these are its children, in
+    # `platforms` order; empty for a single-platform variant (its digest is that platform's image).
+    children: list[ChildImage] = field(default_factory=list)
+
+    @property
+    def multi_platform(self) -> bool:
+        return len(self.platforms) > 1
+
+    def child(self, platform: str) -> ChildImage | None:
+        return next((c for c in self.children if c.platform == platform), None)
+
+    def child_image(self, child: ChildImage) -> str:
+        """`repository@<child digest>`: the child's image in the index's repository."""
+        # The index's own reference with the child's digest in place of its digest: no reference parsing
+        # here (the oci package's), and the build always records `image` as `repository@digest`.
+        index, digest = self.image or "", self.digest or ""
+        if not digest or not index.endswith("@" + digest):
+            raise ValueError(f"{self.id}: its image {index!r} is not addressed by its digest {digest!r}")
+        return index[: len(index) - len(digest)] + child.digest
+
+    def platform_images(self, kind: type[P]) -> list[PlatformImage[P]]:
+        """Each image a per-platform stage judges, with its own record of `kind`: the variant's one image
+        (platform None), or each child of its index (the child's record under the variant's)."""
+        record = self.stage(kind)
+        if not self.children:  # single-platform, or an index not built (judged as one image that is not there)
+            return [PlatformImage(None, self.digest or "", self.image or "", record)]
+        return [PlatformImage(c.platform, c.digest, self.child_image(c),
+                              record.for_platform(c.platform) if record is not None else None)
+                for c in self.children]
 
     def stage(self, kind: type[R]) -> R | None:
         """This variant's typed record of one stage, e.g. `variant.stage(ScanStage)`; None when absent."""
@@ -426,9 +622,18 @@ class VariantRecord(_StatusField):
 
     def stage_refusal(self, kind: type[RequiredStage]) -> str | None:
         """Why this variant may not go on past one stage (`<id>: <why>`), or None: it passed on the variant's digest."""
-        record = self.stage(kind)
-        why = kind.MISSING if record is None else record.refusal(self.digest)
+        why = self.stage_problem(kind)
         return f"{self.id}: {why}" if why else None
+
+    def stage_problem(self, kind: type[RequiredStage]) -> str | None:
+        """`stage_refusal` without the variant's id: a multi-platform variant's names the child's platform
+        first ("linux/arm64: smoke tests failed: ...")."""
+        record = self.stage(kind)
+        if record is None:
+            return kind.MISSING
+        if self.multi_platform and isinstance(record, PerPlatformStage):
+            return record.children_refusal(self.digest, self.children)  # every child, on its own digest
+        return record.refusal(self.digest)
 
     def refusal(self, *needs: type[RequiredStage]) -> str | None:
         """Why this variant may not go on (`<id>: <why>`), or None: it is built, and each stage of
@@ -444,13 +649,37 @@ class VariantRecord(_StatusField):
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
         out["stages"] = {name: stage_dict(record) for name, record in self.stages.items()}
+        out["children"] = [{"platform": c.platform, "digest": c.digest} for c in self.children]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> VariantRecord:
         known = _known(cls, data)
         known["stages"] = {name: parse_stage(name, record) for name, record in (data.get("stages") or {}).items()}
+        known["children"] = [ChildImage.from_dict(c) for c in data.get("children") or []]
         return cls(**known)
+
+
+@dataclass
+class BuilderRecord(_StatusField):
+    """One builder of a builders file as this build found it (build/pool.py): what it serves, whether
+    it stayed up, how many layers it built. Paths of its TLS files are not recorded, nor their contents."""
+
+    _status_kind: ClassVar[type[_Word]] = BuilderStatus
+
+    name: str
+    kind: str  # "buildkit" (a BuildKit daemon) or "local" (this machine's Docker engine)
+    endpoint: str | None  # tcp://host:port or unix:///path; None for the local engine
+    platforms: list[str]  # what layers it is sent: the file's list (as the daemon confirmed it), or all it reported
+    concurrency: int
+    status: BuilderStatus = BuilderStatus.UNPROBED
+    error: str | None = None  # why it is down
+    version: str | None = None  # the daemon's BuildKit version, from the probe
+    built: int = 0  # layers it built and pushed in this run
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BuilderRecord:
+        return cls(**_known(cls, data))
 
 
 def new_run_id() -> str:
@@ -474,9 +703,22 @@ class BuildReport(_StatusField):
     run_id: str = field(default_factory=new_run_id)  # one build run: its writes merge, a new run replaces
     finished: str | None = None  # when the build's final write happened (provenance's runDetails.metadata)
     matrix_sha256: str | None = None  # "sha256:..." of the matrix file as the build read it
+    builders: list[BuilderRecord] = field(default_factory=list)  # with a builders file: each builder; else empty
 
     def layer(self, key: str) -> LayerRecord:
         return next(rec for rec in self.layers if rec.key == key)
+
+    def child_variant(self, variant: VariantRecord, child: ChildImage) -> VariantRecord:
+        """One child of a multi-platform variant's index as a single-platform variant: its digest and image,
+        its platform's chain, and each per-platform stage's record of it. What signs and attests a child sees."""
+        stages: dict[str, Stage] = {}
+        for name, record in variant.stages.items():
+            own = record.for_platform(child.platform) if isinstance(record, PerPlatformStage) else None
+            if own is not None:
+                stages[name] = own
+        return replace(variant, digest=child.digest, image=variant.child_image(child), platforms=[child.platform],
+                       children=[], stages=stages,
+                       chain=[k for k in variant.chain if self.layer(k).platform == child.platform])
 
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -488,6 +730,7 @@ class BuildReport(_StatusField):
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
         out["variants"] = [v.to_dict() for v in self.variants]
         out["layers"] = [rec.to_dict() for rec in self.layers]
+        out["builders"] = [{f.name: _plain(getattr(b, f.name)) for f in fields(b)} for b in self.builders]
         out["summary"] = self.summary()
         return out
 
@@ -515,6 +758,7 @@ class BuildReport(_StatusField):
         known = _known(cls, data)
         known["variants"] = [VariantRecord.from_dict(v) for v in data["variants"]]
         known["layers"] = [LayerRecord.from_dict(rec) for rec in data["layers"]]
+        known["builders"] = [BuilderRecord.from_dict(b) for b in data.get("builders") or []]
         if "run_id" not in data:
             known["run_id"] = ""  # written before runs had ids: no later run merges with it
         return cls(**known)
@@ -607,6 +851,15 @@ def _replace(path: Path, text: str, mode: int | None) -> None:
             os.fsync(dirfd)
         finally:
             os.close(dirfd)
+
+
+def record_blocked(report_path: Path, variant_id: str, error: str) -> None:
+    """A later stage blocked a variant whose build succeeded (a child of its index failed smoke or the gate):
+    it is `failed`, and `error` says which platform and why, so nothing after reads it as releasable."""
+    with update_report(report_path) as data:
+        for variant in data.get("variants", []):
+            if variant.get("id") == variant_id:
+                variant["status"], variant["error"] = VariantStatus.FAILED.value, error
 
 
 def record_stage(report_path: Path, stage: str, by_variant: Mapping[str, Stage | Mapping[str, Any]]) -> None:

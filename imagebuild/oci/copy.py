@@ -10,8 +10,9 @@ what was streamed is checked before the upload is committed; an interrupted wind
 registry how much it holds and continues from there, and a source stream that breaks off is
 reopened where it stopped (a Range request). The image and its own signature and attestation
 tags are copied at once, their blobs through one pool. Manifests go after their blobs, children
-before their index, and tags after every manifest they reach, so no tag ever names something
-incomplete.
+(and, with signatures, each child's signature and attestation tags) before their index, and tags
+after every manifest they reach, so no tag ever names something incomplete and an index in the
+target has all of its children signed there.
 """
 from __future__ import annotations
 
@@ -272,6 +273,8 @@ class _Copier:
         self.locations = options.locations if options.locations is not None else _default_locations()
         self._hints_refused = False
         self._tree: list[str] = []  # every manifest digest reached, for their signatures
+        self._signed: set[str] = set()  # digests whose signatures and referrers are copied already
+        self._signed_lock = threading.Lock()
         self._known = {found[2]: found for found in options.known_manifests.values()}
         # One pool for the blobs of every manifest copied at once (the image's, its signature's, its
         # attestations'), so `concurrency` bounds the whole copy. Its tasks never wait on it.
@@ -296,8 +299,13 @@ class _Copier:
                 self.stats.add(tags_put=1)
             return raw, media_type
         if media_type in INDEX_TYPES:
-            for child in document.get("manifests", []):
-                self.manifest(child["digest"], image=image)
+            children = [child["digest"] for child in document.get("manifests", [])]
+            for child in children:
+                self.manifest(child, image=image)
+            if image and self.options.signatures:
+                # The index lands after every child's signatures and attestations: an index in the
+                # target (what a rerun, and a rollout's copy step, look at first) is a whole one.
+                self.signatures_of(children)
         elif "config" in document:
             self.blobs(_blobs(document))
         else:
@@ -497,9 +505,15 @@ class _Copier:
 
     def signatures(self, done: Iterable[str] = ()) -> None:
         """The signatures and referrers of every manifest of the image but those `done`."""
-        for digest in dict.fromkeys(self._tree):
-            if digest in done:
-                continue
+        self.signatures_of([digest for digest in dict.fromkeys(self._tree) if digest not in done])
+
+    def signatures_of(self, digests: Iterable[str]) -> None:
+        """The signatures and referrers of these manifests, each digest's once per copy."""
+        for digest in digests:
+            with self._signed_lock:
+                if digest in self._signed:
+                    continue
+                self._signed.add(digest)
             for suffix in COSIGN_SUFFIXES:
                 self.signature(digest, suffix)
             self.copy_referrers(digest, self.find_referrers(digest))

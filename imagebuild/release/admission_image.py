@@ -36,14 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.build import scheduler as building
-from imagebuild.build.plan import Layer, Plan, Root, Variant, content_key
+from imagebuild.build.plan import Layer, Plan, PlatformChain, Root, Variant, content_key
 from imagebuild.build.render import render_template, write_tree
 from imagebuild.checks import smoke_run
 from imagebuild.checks.smoke import Expectations, Target
+from imagebuild.config.support import DEFAULT_PLATFORM
 from imagebuild.config.trust import TrustConfig
 from imagebuild.core.source import InputError
 from imagebuild.oci import reference
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
+from imagebuild.oci.platforms import platform_digest
 from imagebuild.release.pipeline import ReleaseRun, VariantRelease
 from imagebuild.trust.verify import covered_names
 
@@ -245,7 +247,7 @@ def admission_plan(image: WebhookImage, root: Root, source_sha256: str) -> Plan:
                   build_args=tuple(sorted(args.items())), root=root)
     # Axes that do not apply say so: no Paddle, CPU only, the base's own python3.
     variant = Variant(id=VARIANT_ID, os=name, cuda=None, cudnn=None, python="system", paddle="none",
-                      tags=(image.tag,), chain=(key,))
+                      tags=(image.tag,), chain=(key,), platform_chains=(PlatformChain(layer.platform, (key,)),))
     return Plan(matrix_file=SOURCE_FILES[0], registry=image.registry, project=image.project, repository=image.name,
                 cache_repository=f"{image.name}-layers", variants=(variant,), layers={key: layer})
 
@@ -268,7 +270,8 @@ def resolve_base(base: str) -> Root:
         return base_root(base, None)
     ref = ImageRef.parse(base)
     with Registry(ref.registry) as registry:
-        digest = registry.head_manifest(ref.repository, ref.reference)
+        # The webhook's image is one platform's (DEFAULT_PLATFORM): an index base gives that child.
+        digest = platform_digest(registry, ref.repository, ref.reference, DEFAULT_PLATFORM)
     if digest is None:
         raise RegistryError(f"base image {base} is not in its registry (scripts/bootstrap.sh builds the local one)")
     return base_root(base, digest)

@@ -32,12 +32,14 @@ from typing import Any
 
 from imagebuild.build import scheduler as building
 from imagebuild.build.plan import Plan
+from imagebuild.build.pool import layer_builder_for
 from imagebuild.build.scheduler import Event as LayerEvent
 from imagebuild.build.scheduler import SecretLane
 from imagebuild.checks import scan as scanning
 from imagebuild.checks import smoke_run
 from imagebuild.checks.gate_run import run_gate
 from imagebuild.checks.smoke import SmokeResult
+from imagebuild.config.builders import BuildersConfig
 from imagebuild.config.matrix import Matrix
 from imagebuild.config.selection import Selection
 from imagebuild.config.trust import TrustConfig
@@ -46,9 +48,11 @@ from imagebuild.core.report import (
     GateStage,
     LayerStatus,
     ScanStage,
+    SmokeStage,
     StageStatus,
     VariantRecord,
     VariantStatus,
+    record_blocked,
     record_stage,
 )
 from imagebuild.release import push as pushing
@@ -90,6 +94,7 @@ class VariantRelease:
     digest: str | None = None
     tags: list[str] = field(default_factory=list)
     stages: dict[str, Cell] = field(default_factory=dict)
+    platforms: list[str] = field(default_factory=list)  # two or more: `digest` is an index, each child judged
 
     @property
     def failed_stage(self) -> str | None:
@@ -122,6 +127,7 @@ class ReleaseOptions:
     smoke_timeout_s: int = 900
     policy: Path = Path("policies/vulnerabilities.yaml")
     push_to: str | None = None  # REGISTRY/PROJECT; None: no push stage
+    builders: BuildersConfig | None = None  # --builders: the pool the layers are built on; None: the local engine
 
 
 Event = Callable[[str], None]
@@ -206,14 +212,16 @@ class ReleaseRun:
         earlier = earlier_stages(self.report_path)
         to_build = sum(rec.status == LayerStatus.TO_BUILD for rec in report.layers)
         self.on_event(f"build: {to_build} of {len(report.layers)} layers to build, the rest are in the registry")
-        report = building.Builder(the_plan, report, options, self.on_layer).run()
+        pool = layer_builder_for(self.options.builders, report, options)
+        report = building.Builder(the_plan, report, options, self.on_layer, layer_builder=pool).run()
         carried = carry_forward(self.report_path, report, earlier)
         if carried:
             self.on_event(f"build: earlier results kept for the unchanged digests: {carried}")
         layers = {rec.key: rec for rec in report.layers}
         self.work["layers_built"] = sum(rec.status == LayerStatus.BUILT for rec in report.layers)
         for v in report.variants:
-            result = self.results[v.id] = VariantRelease(v.id, v.image, v.digest, list(v.images))
+            result = self.results[v.id] = VariantRelease(v.id, v.image, v.digest, list(v.images),
+                                                         platforms=list(v.platforms))
             chain = [layers[key] for key in v.chain if key in layers]
             built = sum(rec.status == LayerStatus.BUILT for rec in chain)
             if v.status == VariantStatus.BUILT:
@@ -247,7 +255,17 @@ class ReleaseRun:
         results = smoke_run.run_report(self.report_path, None, Selection.parse([f"id={','.join(ids)}"]),
                                        make_runner, self.smoke_progress)
         self.smoke_results(results)
+        self.block_failed_indexes(ids, SmokeStage)
         return self._going()
+
+    def block_failed_indexes(self, ids: list[str], kind: type[SmokeStage] | type[GateStage]) -> None:
+        """A multi-platform variant one of whose children failed `kind` is blocked whole: the report says it
+        failed, naming the platform (nothing signs, pushes or rolls out a failed variant)."""
+        for v in self._variants(ids):
+            cell = self.results[v.id].stages.get(kind.STAGE)
+            problem = v.stage_problem(kind)
+            if v.multi_platform and cell is not None and cell.outcome is Outcome.FAILED and problem:
+                record_blocked(self.report_path, v.id, problem)
 
     def smoke_progress(self, r: SmokeResult) -> None:
         self.on_event(f"  smoke {r.record.status} {r.name}" + (" (reused)" if r.reused else ""))
@@ -262,7 +280,9 @@ class ReleaseRun:
             else:
                 self.work["smoke_runs"] += 1
                 failures = "; ".join(f["test"] for f in s.failures[:3])
-                cell = Cell(Outcome.FAILED, s.status.value, failures or first_line(s.reason) or s.status.value)
+                # An index's record names the child that failed first; its tests are in the child's record.
+                detail = first_line(s.reason) if s.per_platform else failures or first_line(s.reason)
+                cell = Cell(Outcome.FAILED, s.status.value, detail or s.status.value)
             self._set(r.variant or r.name, "smoke", cell)
 
     # --- scan ---------------------------------------------------------------------------------
@@ -282,7 +302,7 @@ class ReleaseRun:
             fresh = [v for v in variants if not scan_reusable(v, self.options.workdir, trivy.version, db.updated_at)]
         for v in variants:
             if v not in fresh:
-                self._set(v.id, "scan", Cell(Outcome.REUSED, "already scanned", scan_counts(v.stage(ScanStage))))
+                self._set(v.id, "scan", Cell(Outcome.REUSED, "already scanned", scan_counts(v)))
         if fresh:
             self.on_event(f"scan: {len(fresh)} image(s) with Trivy {trivy.version}")
             report = BuildReport.read(self.report_path)
@@ -293,9 +313,9 @@ class ReleaseRun:
                 if record is None:
                     continue  # no result: the run loop says so
                 self.work["scans"] += 1
-                why = record.refusal(v.digest)
+                why = v.stage_refusal(ScanStage)
                 if why is None:
-                    self._set(v.id, "scan", Cell(Outcome.DONE, "scanned", scan_counts(record)))
+                    self._set(v.id, "scan", Cell(Outcome.DONE, "scanned", scan_counts(v)))
                 else:
                     self._set(v.id, "scan", Cell(Outcome.FAILED, record.status.value, first_line(record.error or why)))
         return self._going()
@@ -314,7 +334,7 @@ class ReleaseRun:
         fresh = []
         for v in variants:
             earlier = v.stage(GateStage)
-            if earlier is not None and earlier.refusal(v.digest) is None and earlier.extra.get("inputs") == inputs[v.id]:
+            if earlier is not None and v.stage_refusal(GateStage) is None and earlier.extra.get("inputs") == inputs[v.id]:
                 self._set(v.id, "gate", Cell(Outcome.REUSED, "already passed", f"policy {policy}"))
             else:
                 fresh.append(v.id)
@@ -323,19 +343,25 @@ class ReleaseRun:
             outcome = run_gate(self.options.workdir, policy, Selection.parse([f"id={','.join(fresh)}"]), today=today)
             self.work["gate_runs"] += len(fresh)
             records = {}
-            for v in self._variants(fresh):
+            judged = self._variants(fresh)
+            for v in judged:
                 record = v.stage(GateStage)
                 if record is not None:
                     record.extra["inputs"] = inputs[v.id]  # what decided it: a rerun with the same reuses it
                     records[v.id] = record
             record_stage(self.report_path, "gate", records)
-            for image in outcome.result.images:
-                if image.passed:
-                    self._set(image.variant, "gate", Cell(Outcome.DONE, "passed", f"policy {policy}"))
-                else:
-                    blocking = [d.finding.id for d in image.blocking][:5]
-                    why = ", ".join(blocking) or "; ".join(image.problems)[:300]
-                    self._set(image.variant, "gate", Cell(Outcome.FAILED, "blocked", why))
+            verdicts = {(image.variant, image.platform): image for image in outcome.result.images}
+            for v in judged:
+                failed = [image for image in (verdicts.get((v.id, p)) for p in gated_platforms(v))
+                          if image is not None and not image.passed]
+                if not failed:
+                    self._set(v.id, "gate", Cell(Outcome.DONE, "passed", f"policy {policy}"))
+                    continue
+                image = failed[0]  # the first platform that did not pass names the variant's failure
+                blocking = [d.finding.id for d in image.blocking][:5]
+                why = ", ".join(blocking) or "; ".join(image.problems)[:300]
+                self._set(v.id, "gate", Cell(Outcome.FAILED, "blocked", f"{image.platform}: {why}" if image.platform else why))
+            self.block_failed_indexes(fresh, GateStage)
         return self._going()
 
     # --- sign ---------------------------------------------------------------------------------
@@ -448,14 +474,18 @@ def earlier_scan_of(variant: VariantRecord) -> bool:
 
 
 def scan_reusable(variant: VariantRecord, workdir: Path, trivy_version: str, db_updated_at: str | None) -> bool:
-    """Scanned ok on this digest by the same Trivy with the same DB, and its reports are still there."""
-    record = variant.stage(ScanStage)
-    if record is None or record.refusal(variant.digest) is not None:
+    """Scanned ok on this digest (each child of an index on its own) by the same Trivy with the same DB, and
+    its reports are still there."""
+    if variant.stage_refusal(ScanStage) is not None or db_updated_at is None:
         return False
-    if record.trivy_version != trivy_version or record.db_updated_at != db_updated_at or db_updated_at is None:
-        return False
-    files = [record.reports.get(name) for name in ("image", "sbom", "config")]
-    return all(f and (workdir / f).is_file() for f in files) and (workdir / "scan" / "summary.json").is_file()
+    for each in variant.platform_images(ScanStage):
+        record = each.record
+        if record is None or record.trivy_version != trivy_version or record.db_updated_at != db_updated_at:
+            return False
+        files = [record.reports.get(name) for name in ("image", "sbom", "config")]
+        if not all(f and (workdir / f).is_file() for f in files):
+            return False
+    return (workdir / "scan" / "summary.json").is_file()
 
 
 def gate_inputs(variant: VariantRecord, policy_sha256: str, today: dt.date) -> dict[str, Any]:
@@ -466,9 +496,18 @@ def gate_inputs(variant: VariantRecord, policy_sha256: str, today: dt.date) -> d
             "policy_sha256": policy_sha256, "date": today.isoformat(), "strict": False}
 
 
-def scan_counts(record: ScanStage | None) -> str:
-    vulns = ((record.counts if record else {}) or {}).get("vulnerabilities") or {}
-    return " ".join(f"{s[0]}{vulns.get(s, 0)}" for s in ("CRITICAL", "HIGH", "MEDIUM", "LOW"))
+def gated_platforms(variant: VariantRecord) -> list[str | None]:
+    """The platforms the gate judges one image of: each child's, or None for a variant's only image."""
+    return [each.platform for each in variant.platform_images(GateStage)]
+
+
+def scan_counts(variant: VariantRecord) -> str:
+    """C0 H1 M2 L3 of the variant's image; of each child, by platform, for an index."""
+    def one(record: ScanStage | None) -> str:
+        vulns = ((record.counts if record else {}) or {}).get("vulnerabilities") or {}
+        return " ".join(f"{s[0]}{vulns.get(s, 0)}" for s in ("CRITICAL", "HIGH", "MEDIUM", "LOW"))
+
+    return "; ".join(each.label + one(each.record) for each in variant.platform_images(ScanStage))
 
 
 def first_line(text: str | None) -> str:

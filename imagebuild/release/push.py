@@ -11,7 +11,8 @@ One image moves in this order, so that no release tag ever names something unaud
 3. Copy by digest (oci_copy): the blobs the target lacks, the manifest, and cosign's
    sha256-<hex>.sig/.att tags as the very bytes verified in step 1. No release tag yet.
 4. Audit in the TARGET, a full verification there: the digest is there, the signature verifies
-   with the configured keys, and every attestation that verified in the source verifies too.
+   with the configured keys, and every attestation that verified in the source verifies too. An
+   index is verified whole there, every child with its own signature and attestations.
 5. Only then write the release tags; a moved tag is appended to WORKDIR/audit.jsonl first.
 
 An interrupted run leaves at most an untagged, unaudited copy (and its signature tags); a rerun
@@ -38,7 +39,7 @@ from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryAuthEr
 from imagebuild.oci.copy import CopyOptions, CopyStats, copy_image
 from imagebuild.release import push_plan as plan
 from imagebuild.trust.sign import SIGN_NEEDS
-from imagebuild.trust.verify import Evidence, Verifier, parse_image, signature_tag
+from imagebuild.trust.verify import INDEX_KINDS, Evidence, Verifier, parse_image, signature_tag
 
 AUDIT_LOG = "audit.jsonl"
 # What must have passed on a variant's very digest before it is pushed (VariantRecord.refusal): signing,
@@ -166,7 +167,10 @@ class Promoter:
             if not verdict.allowed:
                 outcome.reason = f"the source does not verify: {verdict.reason}"
                 return outcome
-            unattested = sorted(set(expected_attestations) - set(evidence.attestation_kinds))
+            expected = set(expected_attestations)
+            if verdict.children:  # an index: the verdict held each child to its own; the index carries these
+                expected &= set(INDEX_KINDS)
+            unattested = sorted(expected - set(evidence.attestation_kinds))
             if unattested:
                 outcome.reason = (f"the source lacks verifying attestations the build report records: "
                                   f"{', '.join(unattested)}")
@@ -182,7 +186,9 @@ class Promoter:
 
         manifest: tuple[bytes, str] | None = None
         if all(d.action is plan.TagAction.PRESENT for d in outcome.decisions):  # a rerun, most likely
-            current.update(self.held(target, target_path, [digest, *(signature_tag(digest, s) for s in (".sig", ".att"))]))
+            current.update(self.held(target, target_path, [
+                reference for manifest in (digest, *evidence.children)
+                for reference in (manifest, *(signature_tag(manifest, s) for s in (".sig", ".att")))]))
         if already_there(digest, outcome.decisions, current, evidence):
             outcome.stats, changed = CopyStats(), False
         else:
@@ -210,7 +216,7 @@ class Promoter:
     @staticmethod
     def held(target: Registry, path: str, references: list[str]) -> dict[str, str | None]:
         """What each reference names in the target now (HEADs at once)."""
-        with ThreadPoolExecutor(max_workers=len(references), thread_name_prefix="imagebuild-promote") as pool:
+        with ThreadPoolExecutor(max_workers=min(16, len(references)), thread_name_prefix="imagebuild-promote") as pool:
             return dict(zip(references, pool.map(lambda reference: target.head_manifest(path, reference), references)))
 
     def audit(self, target: Registry, target_path: str, digest: str, expected: set[str],
@@ -274,15 +280,19 @@ class Promoter:
 
 def already_there(digest: str, decisions: list[plan.TagDecision], held: Mapping[str, str | None],
                   evidence: Evidence) -> bool:
-    """A rerun: every tag names the digest, and the target holds the image and, as its signature and
-    attestation tags, the very manifests verified in the source (`held`: what the target's tags name)."""
-    if any(d.action is not plan.TagAction.PRESENT for d in decisions) or held.get(digest) != digest:
+    """A rerun: every tag names the digest, and the target holds the image (an index: and each child)
+    and, as its signature and attestation tags, the very manifests verified in the source (`held`:
+    what the target's references name)."""
+    if any(d.action is not plan.TagAction.PRESENT for d in decisions):
         return False
-    for suffix in (".sig", ".att"):
-        tag = signature_tag(digest, suffix)
-        verified = evidence.manifests.get(tag)
-        if held.get(tag) != (verified[2] if verified else None):
+    for manifest in (digest, *evidence.children):
+        if held.get(manifest) != manifest:
             return False
+        for suffix in (".sig", ".att"):
+            tag = signature_tag(manifest, suffix)
+            verified = evidence.manifests.get(tag)
+            if held.get(tag) != (verified[2] if verified else None):
+                return False
     return True
 
 

@@ -15,7 +15,6 @@ from typing import Any
 from imagebuild.checks import gate as gating
 from imagebuild.checks import scan as scanning
 from imagebuild.config.release_file import ReleaseConfig
-from imagebuild.core.report import VariantRecord
 from imagebuild.core.source import load_document
 from imagebuild.oci.client import RegistryError
 from imagebuild.rollout.quarantine import find, mark, open_state
@@ -97,16 +96,15 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
         for image in images:
             on_event(f"rescanning {image.pulled_from} ({', '.join(image.tags)})")
             hex_digest = image.digest.split(":", 1)[1]
-            record = VariantRecord(id=hex_digest[:12], tags=[], images=image.tags, chain=[], device="", paddle="",
-                                   python="", cuda=None, cudnn=None, image=image.pulled_from, digest=image.digest)
+            name = hex_digest[:12]
             try:
-                report, _ = scanning.scan_image(trivy, record, scan_options, out / f"sha256-{hex_digest}")
+                report, _ = scanning.scan_image(trivy, image.pulled_from, name, scan_options, out / f"sha256-{hex_digest}")
                 findings = gating.findings(report)
             except (scanning.ScanError, gating.ReportError) as exc:
                 results.append(RescanResult(image.digest, image.pulled_from, image.tags, "failed",
                                             error=str(exc).splitlines()[0][:500], db_updated_at=db.updated_at))
                 continue
-            scan = gating.ImageScan(record.id, image.pulled_from, image.digest, tuple(findings))
+            scan = gating.ImageScan(name, image.pulled_from, image.digest, tuple(findings))
             verdict = gating.evaluate(policy, [scan], today).images[0]
             result = RescanResult(image.digest, image.pulled_from, image.tags, "passed", db_updated_at=db.updated_at,
                                   blocking=[{"id": d.finding.id, "package": d.finding.package,

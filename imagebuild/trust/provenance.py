@@ -237,6 +237,52 @@ def release_predicate(variant: VariantRecord, *, provenance: Mapping[str, Any], 
     }
 
 
+@dataclass(frozen=True)
+class ChildRelease:
+    """One child of an index as its release record names it: the child's own release predicate, signed on it."""
+
+    platform: str
+    digest: str
+    release: Mapping[str, Any]
+
+
+def index_release_predicate(variant: VariantRecord, *, provenance: Mapping[str, Any], children: Sequence[ChildRelease],
+                            signature: SignatureLayout, issued_at: str | None = None) -> dict[str, Any]:
+    """imagebuild's release record for a multi-platform variant's index.
+
+    The smoke tests, the scan and the gate judged each child, so their predicates are attested on each
+    child's digest, and each child carries its own release record. The index's names every child (platform,
+    digest, the canonical sha256 of that child's release predicate, and its smoke and gate outcome), the
+    index's own provenance, and the signature layout: a verifier of the index finds from it which children
+    it must find signed and released, each on its own digest.
+    """
+    digest = variant.digest or ""
+    sha256_hex(digest)
+    wanted = {c.digest for c in variant.children}
+    named = {c.digest for c in children}
+    if named != wanted:
+        raise PredicateError(f"the index's release record must name each child of {digest} once "
+                             f"(children {sorted(wanted)}, named {sorted(named)})")
+    for child in children:
+        if child.release.get("digest") != child.digest:
+            raise PredicateError(f"the {child.platform} release predicate is about {child.release.get('digest')}, "
+                                 f"not {child.digest}")
+    return {
+        "digest": digest,
+        "variant": variant.id,
+        "image": variant.image,
+        "tags": list(variant.images),
+        "platforms": [{"platform": c.platform, "digest": c.digest, "release_sha256": canonical_sha256(c.release),
+                       "smoke": (c.release.get("smoke") or {}).get("status"),
+                       "gate": (c.release.get("gate") or {}).get("decision")} for c in children],
+        "signature": signature.to_dict(),
+        "provenance": {"predicateType": PREDICATE_PROVENANCE, "buildType": BUILD_TYPE,
+                       "sha256": canonical_sha256(provenance)},
+        "attestations": {"provenance": canonical_sha256(provenance)},
+        "issued_at": issued_at or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+    }
+
+
 # --- reading them back (inspect, verify) ------------------------------------------------------------
 
 

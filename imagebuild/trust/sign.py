@@ -49,6 +49,7 @@ from imagebuild.config.trust import PublicKey
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import (
     BuildReport,
+    ChildImage,
     GateStage,
     ScanStage,
     SignStage,
@@ -60,6 +61,7 @@ from imagebuild.core.report import (
 from imagebuild.core.runner import PinnedTool, Result, Runner, cancel_requested, find_pinned
 from imagebuild.core.source import InputError
 from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, base_url
+from imagebuild.oci.platforms import platform_folder
 from imagebuild.trust import attest, provenance, verify
 
 # The pinned cosign; scripts/versions.env says the same (COSIGN_VERSION), a test keeps them equal.
@@ -407,6 +409,22 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+# The predicates to attest, by image: None for a variant's only image, else each child's platform.
+Prepared = dict[str | None, dict[str, dict[str, Any]]]
+# (the image's labels, its signature layout) -> its provenance and release predicates.
+ReleaseOf = Callable[[dict[str, str], provenance.SignatureLayout], dict[str, dict[str, Any]]]
+# An index is attested with its provenance and its release record; what was tested, scanned and gated
+# (smoke, vuln, SBOM, gate) is each child's, attested on the child's own digest.
+INDEX_KINDS = (attest.PROVENANCE, attest.RELEASE)
+
+
+def prepare(workdir: Path, report: BuildReport, variant: VariantRecord) -> Prepared:
+    """The four predicates of the variant's image, or of each child of its index, from each one's own records."""
+    if not variant.multi_platform:
+        return {None: build_predicates(workdir, variant)}
+    return {c.platform: build_predicates(workdir, report.child_variant(variant, c)) for c in variant.children}
+
+
 def build_predicates(workdir: Path, variant: VariantRecord) -> dict[str, dict[str, Any]]:
     """The four predicates of a variant, by attestation name, from its stage records and scan files."""
     digest, image = variant.digest or "", variant.image or ""
@@ -478,6 +496,23 @@ def signature_layout(image: str, digest: str, options: SignOptions, cosign_versi
                                       attestations=tag_ref(image, digest, "att"), key=options.key_reference,
                                       keyless=options.keyless is not None, tlog=options.uploads_to_tlog,
                                       cosign_version=cosign_version)
+
+
+def index_release_record(report: BuildReport, variant: VariantRecord, children: list[provenance.ChildRelease],
+                         labels: dict[str, str], layout: provenance.SignatureLayout,
+                         env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The provenance and release predicates of a multi-platform variant's index (see
+    provenance.index_release_predicate): its own provenance, and a release record naming each child's."""
+    from imagebuild.checks.gate_run import tool_version
+
+    builder = provenance.builder_from_environment(dict(os.environ) if env is None else env, tool_version())
+    try:
+        statement = provenance.provenance_statement(report, variant, labels=labels, builder=builder)
+        release = provenance.index_release_predicate(variant, provenance=statement["predicate"], children=children,
+                                                     signature=layout)
+    except attest.PredicateError as exc:
+        raise SignError(f"{variant.id}: {exc}") from None
+    return {attest.PROVENANCE.name: statement["predicate"], attest.RELEASE.name: release}
 
 
 def release_record(report: BuildReport, variant: VariantRecord, predicates: dict[str, dict[str, Any]],
@@ -570,11 +605,12 @@ class SignRun:
 
     def run(self, variants: list[VariantRecord]) -> list[SignOutcome]:
         """Check everything first (bad input, an unreachable registry: nothing written), then sign one by one."""
-        prepared: dict[str, dict[str, dict[str, Any]] | SignError] = {}
+        prepared: dict[str, Prepared | SignError] = {}
+        report = BuildReport.read(self.report_path)
         for variant in variants:
             if variant.refusal(*SIGN_NEEDS) is None:
                 try:
-                    prepared[variant.id] = build_predicates(self.workdir, variant)  # InputError: exit 2
+                    prepared[variant.id] = prepare(self.workdir, report, variant)  # InputError: exit 2
                 except SignError as exc:  # a record about another digest: this variant fails, the others go on
                     prepared[variant.id] = exc
         one_image_per_registry = {ImageRef.parse(v.image).registry: v.image for v in variants
@@ -603,8 +639,7 @@ class SignRun:
                          key=self.options.key_reference, keyless=self.options.keyless is not None,
                          cosign_version=self.cosign.version, tlog=self.options.uploads_to_tlog, **fields)
 
-    def one(self, variant: VariantRecord,
-            predicates: dict[str, dict[str, Any]] | SignError | None = None) -> SignOutcome:
+    def one(self, variant: VariantRecord, predicates: Prepared | SignError | None = None) -> SignOutcome:
         """Refuse, skip, or sign and attest one variant; `predicates` as run() prepared them (else built here)."""
         image = variant.image or ""
         why = variant.refusal(*SIGN_NEEDS)
@@ -620,10 +655,10 @@ class SignRun:
         self.on_event("start", variant, image)
         try:
             if predicates is None:
-                predicates = build_predicates(self.workdir, variant)
+                predicates = prepare(self.workdir, BuildReport.read(self.report_path), variant)
             if isinstance(predicates, SignError):
                 raise predicates
-            record = self._sign(variant, client, predicates)
+            record = self._sign_variant(variant, client, predicates)
         except KeyboardInterrupt:  # tools.Cancelled too: the rerun does this variant again
             self._record(variant, self._base(variant, StageStatus.INTERRUPTED, reason="interrupted"))
             raise
@@ -637,27 +672,60 @@ class SignRun:
         return SignOutcome(variant.id, image, digest, "signed", record)
 
     def already_signed(self, earlier: SignStage, variant: VariantRecord, client: Registry) -> bool:
-        """Passed before for this digest and this key, and both the signature and the attestations are still there."""
-        if earlier.refusal(variant.digest) is not None:
+        """Passed before for this digest (each child of an index on its own) and this key, and every signature
+        and attestation is still there."""
+        if variant.stage_problem(SignStage) is not None:
             return False
         if earlier.key != self.options.key_reference or earlier.keyless != (self.options.keyless is not None):
             return False
         image, digest = variant.image or "", variant.digest or ""
-        if not signature_present(client, image, digest):
-            return False
-        wanted = {kind.predicate_type for kind in attest.KINDS}
-        return wanted <= attestation_types(client, image, digest)
+        digests = {digest: INDEX_KINDS if variant.multi_platform else attest.KINDS}
+        digests.update({c.digest: attest.KINDS for c in variant.children})
+        for signed, kinds in digests.items():
+            if not signature_present(client, image, signed):
+                return False
+            if not {kind.predicate_type for kind in kinds} <= attestation_types(client, image, signed):
+                return False
+        return True
 
-    def _sign(self, variant: VariantRecord, client: Registry, predicates: dict[str, dict[str, Any]]) -> SignStage:
-        image, digest = variant.image or "", variant.digest or ""
+    def _sign_variant(self, variant: VariantRecord, client: Registry, prepared: Prepared) -> SignStage:
+        """A variant's image; or each child of its index (all six attestations, its own predicates), then the
+        index itself (its provenance and a release record naming every child), the index last."""
+        report = BuildReport.read(self.report_path)
         folder = self.workdir / "sign" / variant.id
+        if not variant.multi_platform:
+            return self._sign(report, variant, client, prepared[None], folder)
+        signed: list[tuple[ChildImage, SignStage]] = []
+        releases = []
+        for child in variant.children:
+            own = report.child_variant(variant, child)
+            record = self._sign(report, own, client, prepared[child.platform], folder / platform_folder(child.platform))
+            signed.append((child, record))
+            releases.append(provenance.ChildRelease(child.platform, child.digest,
+                                                    _read_json(self.workdir / record.predicates[attest.RELEASE.name],
+                                                               "release predicate")))
+
+        def index_release(labels: dict[str, str], layout: provenance.SignatureLayout) -> dict[str, dict[str, Any]]:
+            return index_release_record(report, variant, releases, labels, layout)
+
+        record = self._sign(report, variant, client, {}, folder, INDEX_KINDS, index_release)
+        record.per_platform = {child.platform: r.to_dict() for child, r in signed}
+        return record
+
+    def _sign(self, report: BuildReport, variant: VariantRecord, client: Registry,
+              predicates: dict[str, dict[str, Any]], folder: Path, kinds: tuple[attest.AttestationKind, ...] = attest.KINDS,
+              release_of: ReleaseOf | None = None) -> SignStage:
+        """Sign one image by digest (reusing this key's signature) and attest `kinds`: the given predicates, then
+        its provenance and release record (`release_of`; default: a single image's, from the four given)."""
+        image, digest = variant.image or "", variant.digest or ""
         try:
             labels = image_labels(client, image)
         except (ValueError, AttributeError, TypeError, KeyError, IndexError):
             raise SignError(f"{image}: its manifest or config is not JSON an image has") from None
         layout = signature_layout(image, digest, self.options, self.cosign.version)
-        predicates = {**predicates, **release_record(BuildReport.read(self.report_path), variant, predicates,
-                                                     labels, layout)}
+        made = (release_of(labels, layout) if release_of is not None
+                else release_record(report, variant, predicates, labels, layout))
+        predicates = {**predicates, **made}
         paths = {}
         for name, predicate in predicates.items():
             path = folder / PREDICATE_FILES[name]
@@ -682,20 +750,20 @@ class SignRun:
             cosign(sign_argv(self.cosign.path, image, self.options), "sign")
             if not signature_present(client, image, digest):
                 raise SignError(f"cosign sign exited 0, but {tag_ref(image, digest, 'sig')} holds no signature of {digest}")
-        for kind in attest.KINDS:
+        for kind in kinds:
             if kind is attest.RELEASE:
                 # Last, naming what the others are in the registry now (verify decides by it).
                 vouched = attested_digests(client, image, digest, signer)
                 release = {**predicates[kind.name], "attestations": vouched}
                 _write_atomic(paths[kind.name], release)
             cosign(attest_argv(self.cosign.path, image, kind, paths[kind.name], self.options), f"attest-{kind.name}")
-        missing = {k.predicate_type for k in attest.KINDS} - attestation_types(client, image, digest)
+        missing = {k.predicate_type for k in kinds} - attestation_types(client, image, digest)
         if missing:
             raise SignError(f"{tag_ref(image, digest, 'att')} lacks {', '.join(sorted(missing))} after cosign attest")
         return self._base(
             variant, StageStatus.PASSED, layout=LAYOUT_TAG, signature=tag_ref(image, digest, "sig"),
             signature_reused=reused, attestation_ref=tag_ref(image, digest, "att"),
-            attestations=[k.record() for k in attest.KINDS],
+            attestations=[k.record() for k in kinds],
             predicates={name: str(path.relative_to(self.workdir)) for name, path in paths.items()},
             signed_at=_now())
 
@@ -704,7 +772,10 @@ def done_message(record: SignStage, signer: SignerKey) -> str:
     """The per-variant line once signed: whether the signature was made now or was already there."""
     how = "signature already present by this key: reused" if record.signature_reused else "signed"
     note = f" (not checked for an earlier signature: {signer.problem})" if signer.problem else ""
-    return f"{how}; {len(record.attestations)} attestations{note}"
+    children = [SignStage.from_dict(c) for c in record.per_platform.values()]
+    each = f" on the index, {', '.join(str(len(c.attestations)) for c in children)} on its {len(children)} children" \
+        if children else ""
+    return f"{how}; {len(record.attestations)} attestations{each}{note}"
 
 
 def select_report(workdir: Path) -> tuple[Path, BuildReport]:

@@ -41,7 +41,8 @@ from imagebuild.config.trust import PublicKey, Requirements, TrustConfig
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import InputError, safe_text
 from imagebuild.oci import names, reference
-from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, RegistryUnreachable
+from imagebuild.oci.client import INDEX_TYPES, ImageRef, Registries, Registry, RegistryError, RegistryUnreachable
+from imagebuild.oci.platforms import BadIndex, Child, child_for, index_children
 from imagebuild.oci.retry import QUICK_RETRIES
 from imagebuild.trust.attest import (
     PREDICATE_GATE,
@@ -63,6 +64,9 @@ IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/S
 ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE,
                      "provenance": PREDICATE_PROVENANCE, "release": PREDICATE_RELEASE}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
+# What an index (a multi-platform release) carries itself: its release record. Every other requirement
+# is about what a node runs, so it is judged on each child, about that child's digest.
+INDEX_KINDS = ("release",)
 
 # What a registry may make us read: everything it serves is untrusted, and anyone who can push to a
 # covered repository can fill its `.sig`/`.att` tags (threat model: "the webhook's budget"). The
@@ -90,6 +94,20 @@ class Refused(ImagebuildError):
 
 
 @dataclass(frozen=True)
+class ChildVerdict:
+    """One platform's image of an index, verified as itself: its own signature and attestations."""
+
+    platform: str  # as the index entry says it (and the child's config agrees, when it was read)
+    digest: str
+    allowed: bool
+    reason: str
+    key: str | None = None
+
+    def line(self) -> str:
+        return f"{self.platform} {self.digest}: {'verified: ' if self.allowed else 'refused: '}{self.reason}"
+
+
+@dataclass(frozen=True)
 class ImageVerdict:
     image: str  # as asked (tag or digest ref)
     digest: str | None  # resolved manifest digest, None when it could not be resolved
@@ -97,6 +115,13 @@ class ImageVerdict:
     reason: str  # one line: why refused, or what was verified
     key: str | None = None  # name of the key that verified the signature
     unreachable: bool = False  # the registry could not be reached (the webhook applies failure_policy)
+    # An index: each child's verdict (the index is allowed only when every one is); () for an image.
+    children: tuple[ChildVerdict, ...] = ()
+
+    @property
+    def digests(self) -> tuple[str, ...]:
+        """Every digest this verdict vouches for: the image's and, for an index, each child's."""
+        return tuple(d for d in (self.digest, *(c.digest for c in self.children)) if d)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -560,6 +585,15 @@ def needs_attestations(require: Requirements) -> bool:
     return bool(require.attestations or require.smoke_passed or require.gate_passed or require.block_severity)
 
 
+def split_requirements(require: Requirements) -> tuple[Requirements, Requirements]:
+    """(what an index must satisfy itself, what each of its children must). The smoke tests, the scan,
+    the gate and the SBOM are about the bytes a node runs, one platform's image: each child carries
+    them about its own digest. The index carries the release record (INDEX_KINDS)."""
+    own = Requirements(attestations=tuple(k for k in require.attestations if k in INDEX_KINDS))
+    children = replace(require, attestations=tuple(k for k in require.attestations if k not in INDEX_KINDS))
+    return own, children
+
+
 # --- the verifier (registry I/O, cache) --------------------------------------------------------
 
 
@@ -574,6 +608,7 @@ class Inspection:
     attestations: dict[str, Attestation]  # verified (signed by a key, about this digest), by predicate type
     rejected: tuple[str, ...] = ()  # attestations that did not verify, and why
     unreachable: bool = False
+    children: tuple[ChildVerdict, ...] = ()  # an index: each platform's image, verified as itself
 
 
 @dataclass
@@ -584,7 +619,18 @@ class Evidence:
 
     manifests: dict[str, tuple[bytes, str, str]] = dataclass_field(default_factory=dict)  # tag -> (raw, media type, digest)
     blobs: dict[str, bytes] = dataclass_field(default_factory=dict)  # digest -> content
+    # The kinds that verified: an index's own and those every child carries (push audits the same).
     attestation_kinds: tuple[str, ...] = ()
+    children: tuple[str, ...] = ()  # an index: its children's digests (their .sig/.att are in `manifests`)
+    child_kinds: dict[str, tuple[str, ...]] = dataclass_field(default_factory=dict)  # child digest -> its kinds
+
+
+def _common_kinds(children: Iterable[ChildVerdict], evidence: Evidence | None) -> set[str]:
+    """The attestation kinds every child carries (each child's own, verified about its digest)."""
+    if evidence is None:
+        return set()
+    sets = [set(evidence.child_kinds.get(child.digest, ())) for child in children]
+    return set.intersection(*sets) if sets else set()
 
 
 _Fetched = tuple[bytes, str, str] | None | RegistryError
@@ -791,10 +837,14 @@ class Verifier:
             if not digest or not _DIGEST.fullmatch(digest):
                 return Inspection(image, None, None, f"tag {ref.reference} not found in {repository}", {})
             reads = self._reads(registry, ref.repository)
-            reads.prefetch_manifests(self._signature_tags(digest, attestations=True))
+            reads.prefetch_manifests([digest, *self._signature_tags(digest, attestations=True)])
             key = self._check_signature(reads, digest, {})
             attestations, rejected = self._attestations(reads, digest, {})
-            return Inspection(image, digest, key.name, None, attestations, tuple(dict.fromkeys(rejected)))
+            listed = self._index(reads, digest)
+            children = () if listed is None else self._verify_children(
+                registry, ref.repository, listed, split_requirements(self.config.require)[1], {})
+            return Inspection(image, digest, key.name, None, attestations, tuple(dict.fromkeys(rejected)),
+                              children=children)
         except Refused as refused:
             return Inspection(image, digest, None, refused.reason, {})
         except RegistryUnreachable as exc:
@@ -842,7 +892,21 @@ class Verifier:
                     now = time.monotonic()
                     if len(self._cache) >= 10_000:
                         self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-                    self._cache[cache_key] = (now + self.ttl, verdict)
+                    for key, entry in self._cache_entries(registry, repository, verdict):
+                        self._cache[key] = (now + self.ttl, entry)
+
+    def _cache_entries(self, registry: Registry, repository: str,
+                       verdict: ImageVerdict) -> list[tuple[tuple[str, str], ImageVerdict]]:
+        """What one verification lets the cache answer, by digest: the verdict itself and, for an index
+        allowed as a whole, each child's, but only when a child inside an index is held to exactly what
+        it would be alone (the index takes no requirement on itself): then the child's verdict is the
+        one verifying it by its digest would give. A child never vouches for its index."""
+        entries = [(self._cache_key(registry, repository, verdict.digest or ""), verdict)]
+        if verdict.allowed and verdict.children and split_requirements(self.config.require)[1] == self.config.require:
+            entries += [(self._cache_key(registry, repository, child.digest),
+                         ImageVerdict(f"{registry.registry}/{repository}@{child.digest}", child.digest, True,
+                                      child.reason, key=child.key)) for child in verdict.children]
+        return entries
 
     @staticmethod
     def _signature_tags(digest: str, attestations: bool) -> list[str]:
@@ -851,39 +915,134 @@ class Verifier:
     def _verify_digest(self, registry: Registry, repository: str, digest: str,
                        evidence: Evidence | None = None, known_blobs: Mapping[str, bytes] | None = None) -> ImageVerdict:
         """The verdict; with `evidence`, the attestations are verified whatever the requirements, and
-        what was read and checked is kept in it."""
+        what was read and checked is kept in it. An index is verified whole: its own signature (and
+        record), then every child as itself; it is allowed only when every child is."""
         image = f"{registry.registry}/{repository}@{digest}"
         key: Key | None = None
-        read_attestations = self.check_attestations or evidence is not None
+        children: tuple[ChildVerdict, ...] = ()
+        read_all = evidence is not None
         reads = self._reads(registry, repository, known_blobs)
         checked: dict[str, bytes] = {}
         try:
-            reads.prefetch_manifests(self._signature_tags(digest, read_attestations))
-            key = self._check_signature(reads, digest, checked)
-            summary = f"signed by {key.name}"
-            if read_attestations:
-                attestations, rejected = self._attestations(reads, digest, checked)
-                if evidence is not None:
-                    evidence.attestation_kinds = tuple(sorted(kind_name(t) for t in attestations))
-                if self.check_attestations:
-                    failures = requirement_failures(self.config.require, attestations, digest,
-                                                    dt.datetime.now(dt.timezone.utc).date())
-                    if failures:
-                        if rejected:
-                            failures.append(f"rejected: {'; '.join(dict.fromkeys(rejected))}")
-                        raise Refused("; ".join(failures))
-                    kinds = [kind_name(t) for t in attestations]
-                    summary += f"; {len(kinds)} attestations ({', '.join(kinds)})"
-            return ImageVerdict(image, digest, True, summary, key=key.name)
+            # The manifest tells an index from an image; it is read with the signature tags, at once.
+            reads.prefetch_manifests([digest, *self._signature_tags(digest, self.check_attestations or read_all)])
+            listed = self._index(reads, digest)
+            own, each_child = (self.config.require, self.config.require) if listed is None \
+                else split_requirements(self.config.require)
+            key, summary, kinds = self._judge(reads, digest, own, checked, read_all)
+            if listed is not None:
+                children = self._verify_children(registry, repository, listed, each_child, checked, evidence,
+                                                 known_blobs)
+                refused = [child for child in children if not child.allowed]
+                if refused:
+                    raise Refused(f"{len(refused)} of {len(children)} platforms refused: "
+                                  + "; ".join(child.line() for child in refused), key.name)
+                summary += f"; index of {len(children)} platforms, each verified " \
+                           f"({', '.join(child.platform for child in children)})"
+                kinds = tuple(sorted(set(kinds) | _common_kinds(children, evidence)))
+            if evidence is not None:
+                evidence.attestation_kinds = kinds
+            return ImageVerdict(image, digest, True, summary, key=key.name, children=children)
         except Refused as refused:
-            return ImageVerdict(image, digest, False, refused.reason, key=key.name if key else refused.key)
+            return ImageVerdict(image, digest, False, refused.reason, key=key.name if key else refused.key,
+                                children=children)
         except RegistryUnreachable as exc:
             return ImageVerdict(image, digest, False, f"registry unreachable: {exc}", unreachable=True)
         except RegistryError as exc:
             return ImageVerdict(image, digest, False, f"registry: {exc}")
         finally:
             if evidence is not None:
-                evidence.manifests, evidence.blobs = reads.found_manifests(), checked
+                evidence.manifests = {**reads.found_manifests(), **evidence.manifests}
+                evidence.blobs = checked
+
+    def _judge(self, reads: _Reads, digest: str, require: Requirements, checked: dict[str, bytes],
+               read_all: bool) -> tuple[Key, str, tuple[str, ...]]:
+        """One manifest's own signature and attestations against `require`: (the key, the summary, the
+        kinds that verified). Refused says why not. `read_all`: the attestations are read and verified
+        even when `require` asks for none (push's evidence)."""
+        key = self._check_signature(reads, digest, checked)
+        summary = f"signed by {key.name}"
+        check = self.check_attestations and needs_attestations(require)
+        if not (check or read_all):
+            return key, summary, ()
+        attestations, rejected = self._attestations(reads, digest, checked)
+        kinds = tuple(sorted(kind_name(t) for t in attestations))
+        if check:
+            failures = requirement_failures(require, attestations, digest, dt.datetime.now(dt.timezone.utc).date())
+            if failures:
+                if rejected:
+                    failures.append(f"rejected: {'; '.join(dict.fromkeys(rejected))}")
+                raise Refused("; ".join(failures), key.name)
+            summary += f"; {len(kinds)} attestations ({', '.join(kind_name(t) for t in attestations)})"
+        return key, summary, kinds
+
+    def _index(self, reads: _Reads, digest: str) -> tuple[Child, ...] | None:
+        """The children `digest` lists when it is an index (None for an image manifest), bounded and
+        checked entry by entry (platforms.index_children). A manifest that any of its media types or
+        its `manifests` list calls an index is one: judged as an image, a runtime that reads it as an
+        index would run children nobody verified."""
+        found = reads.manifest(digest)
+        if found is None:
+            raise Refused(f"no manifest {digest} in {reads.registry.registry}/{reads.repository}")
+        raw, media_type, _ = found
+        try:
+            document = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise Refused(f"the manifest {digest} is not JSON") from None
+        if not isinstance(document, dict):
+            raise Refused(f"the manifest {digest} is not a JSON object")
+        if media_type not in INDEX_TYPES and document.get("mediaType") not in INDEX_TYPES \
+                and "manifests" not in document:
+            return None
+        try:
+            return index_children(raw)
+        except BadIndex as exc:
+            raise Refused(f"the index {digest} is refused: {exc}") from None
+
+    def _verify_children(self, registry: Registry, repository: str, listed: tuple[Child, ...],
+                         require: Requirements, checked: dict[str, bytes], evidence: Evidence | None = None,
+                         known_blobs: Mapping[str, bytes] | None = None) -> tuple[ChildVerdict, ...]:
+        """Each child of an index (already bounded) as itself: an image manifest whose config says the
+        platform its entry says (child_for, all children at once), then its own signature and
+        attestations about its own digest. Every child is judged, so the verdict names each refusal."""
+        pool = self._reads(registry, repository).pool
+        manifests = list(pool.map(partial(self._child_manifest, registry, repository), listed))
+        verdicts: list[ChildVerdict] = []
+        for child, problem in zip(listed, manifests):
+            if problem is not None:
+                verdicts.append(ChildVerdict(child.platform, child.digest, False, problem))
+                continue
+            reads = self._reads(registry, repository, known_blobs)
+            try:
+                reads.prefetch_manifests(self._signature_tags(child.digest, self.check_attestations or bool(evidence)))
+                key, summary, kinds = self._judge(reads, child.digest, require, checked, evidence is not None)
+                verdicts.append(ChildVerdict(child.platform, child.digest, True, summary, key.name))
+                if evidence is not None:
+                    evidence.child_kinds[child.digest] = kinds
+            except Refused as refused:
+                verdicts.append(ChildVerdict(child.platform, child.digest, False, refused.reason, refused.key))
+            except RegistryUnreachable:
+                raise
+            except RegistryError as exc:
+                verdicts.append(ChildVerdict(child.platform, child.digest, False, f"registry: {exc}"))
+            finally:
+                if evidence is not None:
+                    evidence.manifests.update(reads.found_manifests())
+        if evidence is not None:
+            evidence.children = tuple(child.digest for child in listed)
+        return tuple(verdicts)
+
+    @staticmethod
+    def _child_manifest(registry: Registry, repository: str, child: Child) -> str | None:
+        """Why the child cannot be this platform's image (None when it can): what a runtime selecting
+        the entry would get must be an image whose config says that platform, by that digest."""
+        try:
+            child_for(registry, repository, child.digest, child.platform)
+            return None
+        except RegistryUnreachable:
+            raise
+        except RegistryError as exc:
+            return safe_text(str(exc), 300)
 
     def _layers(self, reads: _Reads, tag: str) -> list[dict[str, Any]] | None:
         found = reads.manifest(tag)

@@ -39,11 +39,14 @@ class Authority:
     def pem(self) -> bytes:
         return self.certificate.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, directory: Path, subject: str, names: tuple[str, ...], stem: str = "tls") -> Tls:
-        """A server certificate for `names` (DNS names or IP addresses), with the CA, written into directory."""
+    def issue(self, directory: Path, subject: str, names: tuple[str, ...], stem: str = "tls",
+              client: bool = False) -> Tls:
+        """A server certificate for `names` (DNS names or IP addresses), with the CA, written into directory;
+        with `client`, a client certificate (TLS client authentication) for the subject instead."""
         directory.mkdir(parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
-        certificate = _certificate(subject, key.public_key(), self.name, self.key, ca=False, names=names)
+        certificate = _certificate(subject, key.public_key(), self.name, self.key, ca=False, names=names,
+                                   client=client)
         tls = Tls(directory / "ca.pem", directory / f"{stem}.crt", directory / f"{stem}.key")
         tls.ca.write_bytes(self.pem())
         tls.cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
@@ -61,7 +64,8 @@ def _san(name: str) -> x509.GeneralName:
 
 
 def _certificate(subject: str, public_key: ec.EllipticCurvePublicKey, issuer_name: str,
-                 issuer_key: ec.EllipticCurvePrivateKey, *, ca: bool, names: tuple[str, ...]) -> x509.Certificate:
+                 issuer_key: ec.EllipticCurvePrivateKey, *, ca: bool, names: tuple[str, ...],
+                 client: bool = False) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder()
                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
@@ -74,6 +78,8 @@ def _certificate(subject: str, public_key: ec.EllipticCurvePublicKey, issuer_nam
             x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
                           key_encipherment=False, data_encipherment=False, key_agreement=False,
                           encipher_only=False, decipher_only=False), critical=True)
+    elif client:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     else:
         builder = (builder
                    .add_extension(x509.SubjectAlternativeName([_san(name) for name in names]), critical=False)

@@ -176,7 +176,7 @@ def test_reviews_are_answered_within_a_second_under_slow_clients_and_a_hostile_r
             assert time.monotonic() < deadline, f"only {attackers.peak_open} slow connections got in"
             time.sleep(0.05)
         threads.append(hostile.start())
-        latencies, ports = [], set()
+        latencies, ports, open_samples = [], set(), []
         started = time.monotonic()
         while time.monotonic() - started < ATTACK_S:
             for document, path, allowed in real:
@@ -187,7 +187,10 @@ def test_reviews_are_answered_within_a_second_under_slow_clients_and_a_hostile_r
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["response"]["allowed"] is allowed, (path, reply.json()["response"])
                 ports.add(reply.extensions["network_stream"].get_extra_info("client_addr"))
-        held = attackers.open_now
+            open_samples.append(attackers.open_now)
+        # The median over the attack, not one sample: the deadline cuts them in waves, and a single look
+        # may land just after one.
+        held = sorted(open_samples)[len(open_samples) // 2]
     finally:
         attackers.stop.set()
         hostile.stop.set()
@@ -197,7 +200,7 @@ def test_reviews_are_answered_within_a_second_under_slow_clients_and_a_hostile_r
     worst = max(latencies)
     figures = (f"{len(latencies)} real reviews, worst {worst * 1000:.0f} ms; {len(hostile.latencies)} hostile ones, "
                f"worst {max(hostile.latencies, default=0) * 1000:.0f} ms; webhook VmHWM {rss / 2**20:.1f} MiB; "
-               f"slow connections peak {attackers.peak_open}, {held} open at the end, {len(attackers.lifetimes)} "
+               f"slow connections peak {attackers.peak_open}, median {held} open, {len(attackers.lifetimes)} "
                f"ended by the server, longest {max(attackers.lifetimes, default=0):.1f} s; "
                f"hostile registry wrote {hostile_registry.blob_bytes_sent / 2**20:.0f} MiB of blobs to sockets")
     print(figures)
@@ -205,7 +208,7 @@ def test_reviews_are_answered_within_a_second_under_slow_clients_and_a_hostile_r
     assert len(ports) == 1, f"the reviews did not keep one connection alive: {ports}"
     assert hostile.answers and not any(hostile.answers), f"a hostile image was admitted: {figures}"
     assert len(hostile.answers) >= 3, figures
-    # The slow connections were held, not refused at the door: at any moment most are open (the
+    # The slow connections were held, not refused at the door: most of the time most are open (the
     # rest are reconnecting, a TLS handshake each, after the deadline cut them; slower on a busy machine).
     assert held >= SLOW_CLIENTS // 2, figures
     # A byte every TRICKLE_S never trips a per-read timeout; only the whole-request deadline ends them.

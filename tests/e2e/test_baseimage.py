@@ -120,3 +120,27 @@ def test_a_build_inside_a_clean_container_of_the_image_gives_the_same_digest(fir
     assert (out / "packages.txt").read_text().splitlines() == built.packages, MOVED
     assert inside["sources"] == built.sources
     assert inside["digest"] == built.digest
+
+
+# The versions.env platforms bootstrap built the shared base for, as an OCI index under its tag.
+BASE_PLATFORMS = next(line.split("=", 1)[1].strip() for line in (REPO / "scripts" / "versions.env").read_text()
+                      .splitlines() if line.startswith("BASE_PLATFORMS="))
+MACHINE = {"linux/amd64": "x86_64", "linux/arm64": "aarch64"}
+
+
+def test_the_shared_base_is_an_index_whose_every_platform_runs_as_its_own_machine(engine, staging_registry):
+    platforms = BASE_PLATFORMS.split('"')[1].split() if '"' in BASE_PLATFORMS else BASE_PLATFORMS.split()
+    assert "linux/arm64" in platforms
+    response = httpx.get(f"http://{STAGING}/v2/imagebuild/debian/manifests/12", timeout=30,
+                         headers={"Accept": "application/vnd.oci.image.index.v1+json"})
+    assert response.status_code == 200
+    index = response.json()
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    children = {f"{m['platform']['os']}/{m['platform']['architecture']}": m["digest"] for m in index["manifests"]}
+    assert list(children) == platforms
+    docker = docker_cli()
+    for platform, digest in children.items():
+        run = subprocess.run([docker, "run", "--rm", "--platform", platform, f"{STAGING}/imagebuild/debian@{digest}",
+                              "uname", "-m"], check=False, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == MACHINE[platform]

@@ -14,6 +14,7 @@ from .layers import pem_blocks, scan_image
 
 CPU_VARIANT = "paddle3.3.1-cpu-py3.11-debian12"
 GPU_VARIANT = "paddle2.6.2-cuda11.8-cudnn8.6-py3.11-debian12"
+MULTI_VARIANT = "paddle3.2.2-cpu-py3.11-debian12"  # linux/amd64 and linux/arm64: one index
 
 
 def registry_digest(repository: str, tag: str) -> str | None:
@@ -27,9 +28,9 @@ def layer_status(report: dict) -> dict[str, str]:
     return {layer["path"]: layer["status"] for layer in report["layers"]}
 
 
-def test_the_example_builds_both_variants_and_tags_them(built_example):
+def test_the_example_builds_every_variant_and_tags_it(built_example):
     variants = {v["id"]: v for v in built_example.report["variants"]}
-    assert set(variants) == {CPU_VARIANT, GPU_VARIANT}
+    assert set(variants) == {CPU_VARIANT, GPU_VARIANT, MULTI_VARIANT}
     for variant in variants.values():
         assert variant["status"] == "built"
         assert variant["digest"].startswith("sha256:")
@@ -46,10 +47,12 @@ def test_each_layer_is_built_from_its_parent_by_digest(built_example):
         assert layer["image"].endswith(f"/imagebuild-example/layers:{kind}-{key[:32]}")
         assert registry_digest("imagebuild-example/layers", f"{kind}-{key[:32]}") == layer["digest"]
     for variant in built_example.report["variants"]:
-        chain = variant["chain"]
-        for parent, child in zip(chain, chain[1:]):
-            if layers[child]["status"] == "built":
-                assert layers[child]["base_digest"] == layers[parent]["digest"]
+        for platform in variant["platforms"]:  # the chain lists each platform's layers in turn
+            chain = [key for key in variant["chain"] if layers[key]["platform"] == platform]
+            assert layers[chain[0]]["kind"] == "base" and layers[chain[-1]]["kind"] == "release"
+            for parent, child in zip(chain, chain[1:]):
+                if layers[child]["status"] == "built":
+                    assert layers[child]["base_digest"] == layers[parent]["digest"]
 
 
 def test_the_images_hold_real_paddle(engine, built_example):
@@ -82,18 +85,21 @@ def test_changing_one_variants_python_rebuilds_exactly_its_python_paddle_and_rel
     matrix = copy_matrix(tmp_path, move_cpu_variant_to_python_312)
     run = imagebuild("plan", "--matrix", str(matrix), "--registry", "--format", "json")
     assert run.returncode == 0, run.stderr
-    statuses = {layer["path"]: layer["status"] for layer in run.json()["layers"]}
-    to_build = {path for path, status in statuses.items() if status == "to-build"}
+    statuses = {(layer["path"], layer["platform"]): layer["status"] for layer in run.json()["layers"]}
+    to_build = {where for where, status in statuses.items() if status == "to-build"}
+    both = ("linux/amd64", "linux/arm64")  # the 3.2.2 variant is built for both
     assert to_build == {
-        "python/debian12-py3.12",
-        "paddle/debian12-py3.12-paddle3.3.1",
-        "release/paddle3.3.1-cpu-py3.12-debian12",
+        *(("python/debian12-py3.12", platform) for platform in both),
+        ("paddle/debian12-py3.12-paddle3.3.1", "linux/amd64"),
+        ("release/paddle3.3.1-cpu-py3.12-debian12", "linux/amd64"),
+        *(("paddle/debian12-py3.12-paddle3.2.2", platform) for platform in both),
+        *(("release/paddle3.2.2-cpu-py3.12-debian12", platform) for platform in both),
     }
     assert {p for p, s in statuses.items() if s == "reused"} == set(statuses) - to_build
     dry = imagebuild("build", "--matrix", str(matrix), "--dry-run", "--workdir", str(tmp_path / "w"),
                      "--format", "json")
     assert dry.returncode == 0, dry.stderr
-    assert dry.json()["layers"] == {"to-build": 3, "reused": len(statuses) - 3}
+    assert dry.json()["layers"] == {"to-build": len(to_build), "reused": len(statuses) - len(to_build)}
 
 
 def test_an_extra_layer_on_one_variant_builds_only_what_depends_on_it(built_example, tmp_path, fresh_repository):
@@ -109,11 +115,12 @@ def test_an_extra_layer_on_one_variant_builds_only_what_depends_on_it(built_exam
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "w" / "build-report.json").read_text())
     built = {path for path, status in layer_status(report).items() if status == "built"}
-    # The repository name is in the release labels, so both release layers change too.
+    # The repository name is in the release labels, so every release layer changes too.
     assert built == {
         "extra/debian12-py3.11-paddle3.3.1-marker",
         f"release/{CPU_VARIANT}",
         f"release/{GPU_VARIANT}",
+        f"release/{MULTI_VARIANT}",
     }
     assert registry_digest(f"imagebuild-example/{fresh_repository}", "3.3.1") == \
         next(v["digest"] for v in report["variants"] if v["id"] == CPU_VARIANT)

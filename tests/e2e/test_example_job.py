@@ -40,7 +40,8 @@ def two_runs(built_example):
 def test_the_example_releases_every_variant_rolls_it_out_and_says_where_to_look(two_runs):
     first = two_runs[0]
     out = first.stdout + first.stderr
-    assert "2 of 2 variant(s) released" in out
+    assert "3 of 3 variant(s) released" in out
+    assert "-> multiarch" in out, "the two-platform index has a channel of its own"
     assert "Where to look" in first.stdout and "audit trail" in first.stdout
     assert "rollout status" in first.stdout
     # The webhook's own image: built, checked and signed, then verified by cosign and by its own policy.
@@ -56,10 +57,10 @@ def test_the_second_run_does_no_work_moves_no_tag_and_says_so(two_runs):
     out = second.stdout + second.stderr
     assert "nothing new: every variant was already built, tested, scanned, gated and signed" in out
     assert "nothing to build" in out
-    assert out.count("nothing to move") == 2, "each variant is already behind its channel in every region"
-    assert "-> cpu" not in out and "-> gpu" not in out, "no rollout started"
+    assert out.count("nothing to move") == 3, "each variant is already behind its channel in every region"
+    assert not re.search(r"-> (cpu|gpu|multiarch)\b", out), "no rollout started"
     rows = second.stderr.splitlines()
     assert not [row for row in rows if re.match(r"\d\d:\d\d:\d\d (building|built) ", row)], "no layer built"
     assert not [row for row in rows if row.startswith(("scan: ", "gate: "))], "no scan, no gate verdict"
-    assert len(re.findall(r"already signed", second.stdout)) == 3, "both variants' and the webhook image's reused"
+    assert len(re.findall(r"already signed", second.stdout)) == 4, "every variant's and the webhook image's reused"
     assert second_s < max(first_s, 60)

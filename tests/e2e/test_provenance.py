@@ -80,6 +80,8 @@ def test_inspect_shows_each_example_images_verified_record_sourced_from_the_buil
     report = signed_example.report
     layers = {layer["key"]: layer for layer in report["layers"]}
     for variant in report["variants"]:
+        if len(variant["platforms"]) > 1:
+            continue  # an index's record names its children's; each child's is its own (test_platform_stages.py)
         run = inspect(variant["image"], signed_example.public_key, "--format", "json")
         assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
         shown = run.json()
