@@ -9,8 +9,8 @@
 Each benchmark runs in a process of its own, as its docstring shows, one after another (they
 would skew each other's figures). Skipped, and said so: `bootstrap` unless root and named with
 --include (it reinstalls every tool from nothing: many minutes); `cold_build` unless named with
---include (it empties the BuildKit cache, which other builds on the machine rely on); `scan`
-and `promote` when there is no built example (scripts/example.sh makes one). Exits 1 when any benchmark that ran failed (missed its
+--include (it empties the BuildKit cache, which other builds on the machine rely on); `scan`,
+`promote` and `time_to_ready` when there is no built example (scripts/example.sh makes one). Exits 1 when any benchmark that ran failed (missed its
 target, or broke).
 """
 from __future__ import annotations
@@ -57,6 +57,8 @@ BENCHES = (
     Bench("promote", "bench_promote.py", quick=("--runs", "1"), headline=r"images, .* runs|fastest peer"),
     Bench("builders", "bench_builders.py", quick=("--chains", "2"), headline=r"^(one|one-wide|two) |^one/",
           needs_root=True),
+    Bench("time_to_ready", "bench_time_to_ready.py", quick=("--channels", "cpu", "--no-peer"),
+          headline=r"^(gpu|cpu|multiarch) ", needs_root=True),
     Bench("cold_build", "bench_cold_build.py", quick=("--only", "device=cpu"), headline=r"ratio|imagebuild .* s|peer .* s",
           opt_in=True, why_opt_in="empties the BuildKit cache other builds rely on"),
     Bench("bootstrap", "bench_bootstrap.py", headline=r"built in|bootstrap from nothing", needs_root=True,
@@ -83,11 +85,11 @@ def scan_workdir() -> Path | None:
 
 def run_one(bench: Bench, quick: bool, timeout: float) -> Outcome:
     args = list(bench.quick if quick else bench.args)
-    if bench.name in ("scan", "promote"):
+    if bench.name in ("scan", "promote", "time_to_ready"):
         workdir = scan_workdir()
         if workdir is None:
             return Outcome(bench.name, "skipped", note="no built example (run scripts/example.sh first)")
-        args += ["--workdir", str(workdir)]
+        args += ["--report", str(workdir / "build-report.json")] if bench.name == "time_to_ready" else ["--workdir", str(workdir)]
     started = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, str(BENCH / bench.script), *args], cwd=REPO, capture_output=True,

@@ -1,0 +1,334 @@
+"""Benchmark: how long a fresh node waits before a container of the image can start.
+
+    python bench/bench_time_to_ready.py                       # the example's GPU and CPU images, eu-west
+    python bench/bench_time_to_ready.py --channels cpu --runs 3 --json-out ttr.json
+    python bench/bench_time_to_ready.py --no-peer --docker-pull
+
+"Ready" is what a kubelet waits for before it can start the container: every layer fetched,
+decompressed and unpacked into the snapshotter, and the container's root file system prepared
+on top. Each pull goes into a containerd of its own (Debian's containerd 1.6, the one the
+nodes run: a fresh --root and --state in a temp dir, its own socket, the CRI plugin off, so
+nothing is cached and nothing is shared with the engine's containerd), through `ctr`:
+
+  pull      `ctr images pull --plain-http` (fetch, decompress, unpack into overlayfs; the
+            default of 3 concurrent downloads, as the kubelet's)
+  rootfs    `ctr containers create` (the container's snapshot prepared on the image's)
+
+and reports the seconds of each, the bytes fetched (the content store's blobs: manifests,
+config and compressed layers) and the bytes unpacked (the snapshots' apparent size).
+
+Side by side, for each image:
+
+  imagebuild  the channel's image in the region registry (what scripts/example.sh rolled out)
+  peer        the same rendered Dockerfiles built with plain `docker build` and pushed with
+              `docker push` (bench_cold_build's peer: parents first, FROM each parent by
+              digest) into a throw-away registry of its own on loopback, pulled the same way
+  docker      (--docker-pull) `docker pull` of the imagebuild image into a Docker engine with
+              an empty --data-root of its own, for sites whose nodes run Docker
+
+The peer's builds reuse the engine's BuildKit cache (the figure is the pull, not the build),
+but its push compresses every layer again. The registries read blobs through the page cache:
+run with --drop-caches (root) to empty it before each pull. On a shared 2-core machine the
+decompression competes with whatever else runs: the load average is in the output. Prints a
+table, the ratio peer/imagebuild per image, and the same as JSON on stdout's last line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH))
+from bench_cold_build import ThrowAwayRegistry, matrix_for, run_peer  # noqa: E402
+
+from imagebuild.core.runner import docker_cli  # noqa: E402
+
+CONTAINERD = "/usr/bin/containerd"
+CTR = "/usr/bin/ctr"
+DOCKERD = "/usr/sbin/dockerd"
+NAMESPACE = "ttr"
+
+
+@dataclass
+class Pull:
+    """One pull into a fresh store: where the time went and how many bytes it moved."""
+
+    image: str
+    side: str
+    ref: str
+    pull_s: float
+    rootfs_s: float
+    fetched_bytes: int
+    unpacked_bytes: int
+    layers: int
+    load_before: float
+
+    @property
+    def ready_s(self) -> float:
+        return round(self.pull_s + self.rootfs_s, 1)
+
+
+def sh(*cmd: str, timeout: float = 3600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def tree_bytes(root: Path) -> int:
+    """Apparent size of every regular file under root (hard links once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            stat = os.lstat(os.path.join(directory, name))
+            if (stat.st_dev, stat.st_ino) in seen or not os.path.isfile(os.path.join(directory, name)):
+                continue
+            seen.add((stat.st_dev, stat.st_ino))
+            total += stat.st_size
+    return total
+
+
+def wait_for(path: Path, process: subprocess.Popen, what: str, log: Path) -> None:
+    for _ in range(300):
+        if path.exists():
+            return
+        if process.poll() is not None:
+            break
+        time.sleep(0.1)
+    sys.exit(f"{what} did not start; see {log}:\n{log.read_text()[-2000:]}")
+
+
+class FreshContainerd:
+    """A containerd with nothing in it: its own root, state and socket; stopped and removed on exit."""
+
+    def __init__(self, scratch: Path):
+        self.dir = Path(tempfile.mkdtemp(prefix="containerd-", dir=scratch))
+        self.root, self.state = self.dir / "root", self.dir / "state"
+        self.socket = self.state / "containerd.sock"
+        config = self.dir / "config.toml"
+        config.write_text("\n".join([
+            "version = 2", f'root = "{self.root}"', f'state = "{self.state}"',
+            # No CRI (no kubelet here) and no snapshotters the node would not use.
+            'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",'
+            ' "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs",'
+            ' "io.containerd.snapshotter.v1.devmapper"]',
+            "[grpc]", f'  address = "{self.socket}"', "[ttrpc]", f'  address = "{self.socket}.ttrpc"',
+            '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{self.dir / "opt"}"', ""]))
+        self.log = self.dir / "containerd.log"
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen([CONTAINERD, "--config", str(config)], stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self.socket, self.process, "containerd", self.log)
+
+    def ctr(self, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess:
+        return sh(CTR, "--address", str(self.socket), "--namespace", NAMESPACE, *args, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+        # overlay snapshots may still be mounted by a prepared container: unmount before removing.
+        sh("sh", "-c", f"grep -o ' {self.dir}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool) -> Pull:
+    store = FreshContainerd(scratch)
+    try:
+        if drop:
+            drop_caches()
+        load = os.getloadavg()[0]
+        started = time.monotonic()
+        pulled = store.ctr("images", "pull", "--plain-http", ref)
+        pulled_at = time.monotonic()
+        if pulled.returncode != 0:
+            sys.exit(f"ctr pull {ref} failed:\n{pulled.stderr[-2000:]}")
+        made = store.ctr("containers", "create", ref, f"ttr-{side}")
+        if made.returncode != 0:
+            sys.exit(f"ctr containers create {ref} failed:\n{made.stderr[-2000:]}")
+        ready_at = time.monotonic()
+        blobs = store.root / "io.containerd.content.v1.content" / "blobs"
+        snapshots = store.root / "io.containerd.snapshotter.v1.overlayfs" / "snapshots"
+        layers = store.ctr("snapshots", "ls").stdout.count("Committed")
+        return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
+                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=tree_bytes(blobs),
+                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1))
+    finally:
+        store.stop()
+
+
+def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
+    """`docker pull` into an engine with an empty data root (its own containerd, socket and exec root)."""
+    directory = Path(tempfile.mkdtemp(prefix="dockerd-", dir=scratch))
+    socket = directory / "docker.sock"
+    log = directory / "dockerd.log"
+    # A bridge of its own: a dockerd started with `--bridge none` deletes docker0, which the
+    # machine's own engine needs for every build's RUN step.
+    bridge = f"ttr{os.getpid() % 100000}"
+    made_bridge = sh("ip", "link", "add", bridge, "type", "bridge")
+    if made_bridge.returncode != 0:
+        sys.exit(f"ip link add {bridge} type bridge failed (root needed):\n{made_bridge.stderr}")
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [DOCKERD, "--data-root", str(directory / "data"), "--exec-root", str(directory / "exec"),
+             "--pidfile", str(directory / "docker.pid"), "--host", f"unix://{socket}", "--bridge", bridge,
+             "--iptables=false", "--ip-masq=false", "--containerd-namespace", "ttr-docker",
+             "--containerd-plugins-namespace", "ttr-docker-plugins"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(socket, process, "dockerd", log)
+        client = ["docker", "--host", f"unix://{socket}"]
+        for _ in range(100):
+            if sh(*client, "version").returncode == 0:
+                break
+            time.sleep(0.2)
+        if drop:
+            drop_caches()
+        load = os.getloadavg()[0]
+        started = time.monotonic()
+        pulled = sh(*client, "pull", "--quiet", ref)
+        pulled_at = time.monotonic()
+        if pulled.returncode != 0:
+            sys.exit(f"docker pull {ref} failed:\n{pulled.stderr[-2000:]}")
+        made = sh(*client, "create", ref)
+        if made.returncode != 0:
+            sys.exit(f"docker create {ref} failed:\n{made.stderr[-2000:]}")
+        ready_at = time.monotonic()
+        size = json.loads(sh(*client, "image", "inspect", ref).stdout)[0]["Size"]
+        layers = len(json.loads(sh(*client, "image", "inspect", ref).stdout)[0]["RootFS"]["Layers"])
+        return Pull(image=image, side="docker", ref=ref, pull_s=round(pulled_at - started, 1),
+                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=0, unpacked_bytes=size,
+                    layers=layers, load_before=round(load, 1))
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=120)
+        sh("sh", "-c", f"grep -o ' {directory}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
+        sh("ip", "link", "delete", bridge)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def channel_variants(report: Path, channels: list[str]) -> dict[str, str]:
+    """channel -> variant id, as scripts/example.sh assigns them (several platforms: multiarch)."""
+    found: dict[str, str] = {}
+    for variant in json.loads(report.read_text())["variants"]:
+        channel = "multiarch" if len(variant.get("platforms") or []) > 1 else variant["device"]
+        if channel in channels and variant.get("image"):
+            found.setdefault(channel, variant["id"])
+    missing = [c for c in channels if c not in found]
+    if missing:
+        sys.exit(f"{report}: no released variant for channel(s) {', '.join(missing)}; run scripts/example.sh")
+    return found
+
+
+def peer_images(matrix: Path, base: str, variants: dict[str, str], scratch: Path) -> tuple[ThrowAwayRegistry, dict[str, str]]:
+    """Plain docker build + docker push of each variant's chain; channel -> the release image by digest."""
+    registry = ThrowAwayRegistry(scratch, "ttr-peer")
+    copy = matrix_for(matrix, registry.host, base, scratch, "ttr-peer")
+    only = [f"id={v}" for v in variants.values()]
+    print(f"[peer] docker build + docker push of {', '.join(variants.values())} ...", file=sys.stderr, flush=True)
+    outcome = run_peer(copy, only, 2, scratch)
+    if not outcome["ok"]:
+        registry.stop()
+        sys.exit(f"the peer build failed:\n{outcome['error']}")
+    data = yaml.safe_load(copy.read_text())
+    cache = f"{registry.host}/{data['project']}/{data.get('cache_repository', 'layers')}"
+    refs = {}
+    for channel, variant in variants.items():
+        release = [layer for layer in outcome["layers"] if layer["path"] == f"release/{variant}"
+                   and layer.get("platform", "linux/amd64") == "linux/amd64"]
+        refs[channel] = f"{cache}@{release[0]['digest']}"
+    return registry, refs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--region-registry", default="127.0.0.1:5001", help="the region the node pulls from")
+    parser.add_argument("--repository", default="imagebuild-example/paddle")
+    parser.add_argument("--channels", default="gpu,cpu", help="the channel tags to pull, in this order")
+    parser.add_argument("--report", type=Path, default=REPO / ".imagebuild" / "example" / "build-report.json",
+                        help="the example's build report (which variant each channel holds, for the peer)")
+    parser.add_argument("--matrix", type=Path, default=REPO / "examples" / "local" / "matrix.yaml")
+    parser.add_argument("--base", default="127.0.0.1:5000/imagebuild/debian:12")
+    parser.add_argument("--runs", type=int, default=1, help="pulls per image and side (the median is reported)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the plain docker build + push side")
+    parser.add_argument("--docker-pull", action="store_true", help="also time docker pull into an empty data root")
+    parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each pull (root)")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+
+    for tool in (CONTAINERD, CTR):
+        if not Path(tool).is_file():
+            sys.exit(f"{tool} is missing (Debian's containerd package; scripts/bootstrap.sh installs docker.io)")
+    channels = [c for c in args.channels.split(",") if c]
+    docker_cli()  # fails clearly when the engine's client is missing
+    refs = {c: {"imagebuild": f"{args.region_registry}/{args.repository}:{c}"} for c in channels}
+    pulls: list[Pull] = []
+    with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
+        scratch = Path(tmp)
+        registry = None
+        try:
+            if not args.no_peer:
+                registry, peer = peer_images(args.matrix, args.base, channel_variants(args.report, channels), scratch)
+                for channel, ref in peer.items():
+                    refs[channel]["peer"] = ref
+            for channel in channels:
+                for side, ref in refs[channel].items():
+                    for run in range(args.runs):
+                        pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches)
+                        print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
+                              f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
+                        pulls.append(pull)
+                if args.docker_pull:
+                    for _ in range(args.runs):
+                        pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
+        finally:
+            if registry is not None:
+                registry.stop()
+
+    def median(image: str, side: str) -> Pull | None:
+        mine = sorted((p for p in pulls if p.image == image and p.side == side), key=lambda p: p.ready_s)
+        return mine[len(mine) // 2] if mine else None
+
+    result: dict = {"cores": os.cpu_count(), "runs": args.runs, "pulls": [asdict(p) | {"ready_s": p.ready_s} for p in pulls],
+                    "ratios": {}}
+    print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
+          f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
+    for channel in channels:
+        for side in ("imagebuild", "peer", "docker"):
+            pull = median(channel, side)
+            if pull is None:
+                continue
+            fetched = f"{pull.fetched_bytes / 1e9:.3f}" if pull.fetched_bytes else "-"
+            print(f"{channel:10} {side:11} {pull.ready_s:8.1f} {pull.pull_s:7.1f} {pull.rootfs_s:8.2f} {fetched:>10} "
+                  f"{pull.unpacked_bytes / 1e9:11.3f} {pull.layers:6} {pull.load_before:5.1f}")
+        ours, theirs = median(channel, "imagebuild"), median(channel, "peer")
+        if ours and theirs:
+            ratio = {"ready": round(theirs.ready_s / ours.ready_s, 2),
+                     "fetched": round(ours.fetched_bytes / theirs.fetched_bytes, 3)}
+            result["ratios"][channel] = ratio
+            print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
+                  f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
