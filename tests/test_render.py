@@ -143,6 +143,19 @@ def test_the_hardened_matrix_uses_every_template(hardened_plan):
     assert any("NVIDIA's pip wheels" in layer.dockerfile for layer in layers)  # cuda-wheels
 
 
+def test_the_wheels_layer_copies_only_what_paddle_opens(hardened_plan):
+    """The fetch stage deletes what no Paddle loader opens before the one COPY into the layer."""
+    [wheels] = {layer.dockerfile for layer in hardened_plan.layers.values() if "NVIDIA's pip wheels" in layer.dockerfile}
+    steps = instructions(wheels)
+    copy = next(i for i, (keyword, rest) in enumerate(steps) if keyword == "COPY" and "--from=fetch" in rest)
+    fetch_runs = [rest for keyword, rest in steps[:copy] if keyword == "RUN"]
+    prune = next(run for run in fetch_runs if "libcusolverMg.so*" in run)
+    assert fetch_runs.index(prune) > next(i for i, run in enumerate(fetch_runs) if "pip install" in run)
+    for pattern in ("-name include", "-name __pycache__", "-name '*.a'", "'libcufftw.so*'", "'libnvblas.so*'"):
+        assert pattern in prune, pattern
+    assert "rm -rf" in prune and "cd /opt/nvidia-wheels/nvidia" in prune
+
+
 def test_every_dockerfile_ends_as_the_matrixs_non_root_user(rendered):
     matrix, files = rendered
     assert matrix.user.uid != 0 and matrix.user.gid != 0
