@@ -51,7 +51,8 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
-from bench_cold_build import ThrowAwayRegistry, matrix_for, run_peer  # noqa: E402
+import docker  # noqa: E402
+from bench_cold_build import ThrowAwayRegistry, make_cold, matrix_for, run_peer  # noqa: E402
 
 from imagebuild.core.runner import docker_cli  # noqa: E402
 
@@ -300,6 +301,7 @@ def main() -> int:
         finally:
             if registry is not None:
                 registry.stop()
+                make_cold(docker.from_env(timeout=600), [registry.host], prune=False)  # the peer's tags
 
     def median(image: str, side: str) -> Pull | None:
         mine = sorted((p for p in pulls if p.image == image and p.side == side), key=lambda p: p.ready_s)
