@@ -15,6 +15,11 @@ image only, so their time is theirs plus `cosign copy --only=sig,att` of the sig
 attestations (cosign copy never re-copies the image then). Each tool runs as a process, as a
 release script calls it, interleaved per run so load drifts hit every tool alike. Medians,
 and each peer's time over imagebuild's (above 1: imagebuild is faster).
+
+On two cores the registry's own CPU caps these ratios, so `--count` also promotes every image
+once more per tool and case through a counting reverse proxy in front of each registry
+(bench/counting_proxy.py: every request and body byte, by method and kind), untimed, and
+prints the requests and bytes each tool needs per image.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from counting_proxy import CountingProxy  # noqa: E402
+
 STAGING, REGION = "127.0.0.1:5000", "127.0.0.1:5001"
 TOOLS = Path("/opt/imagebuild-tools/bin")
 KEY = Path("/var/lib/imagebuild/keys/cosign.pub")
@@ -113,12 +121,50 @@ def timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - started
 
 
+def count_requests(images: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each tool, each case, once through counting proxies: tool -> case -> counts per image."""
+    counted: dict[str, dict[str, dict[str, Any]]] = {}
+    with CountingProxy(STAGING) as source, CountingProxy(REGION) as region:
+        for tool, promote in PROMOTERS.items():
+            if tool == "imagebuild-cli":
+                continue  # the same requests as in-process imagebuild
+            for case, target in (("same registry", source), ("cross-registry", region)):
+                fresh_promoter()
+                source.reset()
+                region.reset()
+                project = f"imagebuild-bench/count-{tool.split('+')[0]}-{uuid.uuid4().hex[:8]}"
+                for index, image in enumerate(images):
+                    via = image.replace(STAGING, source.host, 1)
+                    promote(via, f"{target.host}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}", f"promoted-{index}")
+                fresh_promoter()
+                both = [source.counts(), region.counts()] if target is region else [source.counts()]
+                total: dict[str, Any] = {"requests": 0, "bytes_sent": 0, "bytes_received": 0, "by_kind": {}}
+                for counts in both:
+                    for key in ("requests", "bytes_sent", "bytes_received"):
+                        total[key] += counts[key]
+                    for kind, n in counts["by_kind"].items():
+                        total["by_kind"][kind] = total["by_kind"].get(kind, 0) + n
+                counted.setdefault(tool, {})[case] = total
+    return counted
+
+
+def print_counts(counted: dict[str, dict[str, dict[str, Any]]], images: int) -> None:
+    print(f"\nrequests per image ({images} images, each tool once, through a counting proxy)")
+    for case in ("same registry", "cross-registry"):
+        for tool, cases in counted.items():
+            c = cases[case]
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(c["by_kind"].items()))
+            print(f"{case:15} {tool:14} {c['requests'] / images:6.1f} requests  "
+                  f"{(c['bytes_sent'] + c['bytes_received']) / images / 1e6:8.2f} MB  ({kinds})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path(".imagebuild/example"))
     parser.add_argument("--image", action="append", default=[], help="a signed image by digest (repeatable)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--format", choices=["text", "json"], default="text")
+    parser.add_argument("--count", action="store_true", help="also count each tool's requests through a proxy")
     args = parser.parse_args()
     images = args.image or signed_images(args.workdir)
     if not images:
@@ -140,15 +186,19 @@ def main() -> int:
     ratios = {case: {tool: medians[tool][case] / medians["imagebuild"][case] for tool in medians if tool != "imagebuild"}
               for case in ("same registry", "cross-registry")}
     fastest = {case: min(ratios[case][peer] for peer in PEERS) for case in ratios}
+    counted = count_requests(images) if args.count else None
     if args.format == "json":
         print(json.dumps({"images": images, "runs": args.runs, "median_s": medians,
-                          "peer_over_imagebuild": ratios, "fastest_peer_over_imagebuild": fastest}, indent=2))
+                          "peer_over_imagebuild": ratios, "fastest_peer_over_imagebuild": fastest,
+                          "requests": counted}, indent=2))
         return 0
     print(f"{len(images)} images, {args.runs} runs, median seconds for all images (peer / imagebuild)")
     for case in ("same registry", "cross-registry"):
         ours = medians["imagebuild"][case]
         row = "  ".join(f"{tool} {m[case]:.2f}s ({m[case] / ours:.2f}x)" for tool, m in medians.items())
         print(f"{case:15} {row}   fastest peer / imagebuild: {fastest[case]:.2f}x")
+    if counted:
+        print_counts(counted, len(images))
     return 0
 
 
