@@ -19,16 +19,19 @@ and each peer's time over imagebuild's (above 1: imagebuild is faster).
 On two cores the registry's own CPU caps these ratios, so `--count` also promotes every image
 once more per tool and case through a counting reverse proxy in front of each registry
 (bench/counting_proxy.py: every request and body byte, by method and kind), untimed, and
-prints the requests and bytes each tool needs per image.
+prints the requests and bytes each tool needs per image. Across registries the target is then
+an empty throw-away registry per tool, so every tool copies every blob.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -123,11 +126,18 @@ def timed(step: Callable[[], None]) -> float:
 
 def count_requests(images: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
     """Each tool, each case, once through counting proxies: tool -> case -> counts per image."""
+    from bench_cold_build import ThrowAwayRegistry
+
     counted: dict[str, dict[str, dict[str, Any]]] = {}
-    with CountingProxy(STAGING) as source, CountingProxy(REGION) as region:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-promote-count-"))
+    with CountingProxy(STAGING) as source:
         for tool, promote in PROMOTERS.items():
             if tool == "imagebuild-cli":
                 continue  # the same requests as in-process imagebuild
+            # Across registries, an empty one per tool: the region registries already hold the example's
+            # blobs under the same repository name, which would let a client mount instead of copy.
+            empty = ThrowAwayRegistry(scratch, tool.replace("+", "-"))
+            region = CountingProxy(empty.host).__enter__()
             for case, target in (("same registry", source), ("cross-registry", region)):
                 fresh_promoter()
                 source.reset()
@@ -145,6 +155,9 @@ def count_requests(images: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
                     for kind, n in counts["by_kind"].items():
                         total["by_kind"][kind] = total["by_kind"].get(kind, 0) + n
                 counted.setdefault(tool, {})[case] = total
+            region.__exit__()
+            empty.stop()
+    shutil.rmtree(scratch, ignore_errors=True)
     return counted
 
 
