@@ -125,40 +125,48 @@ def timed(step: Callable[[], None]) -> float:
 
 
 def count_requests(images: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each tool, each case, once through counting proxies: tool -> case -> counts per image."""
-    from bench_cold_build import ThrowAwayRegistry
+    """Each tool, each case, once through counting proxies: tool -> case -> counts for all images."""
+    from bench_cold_build import ThrowAwayRegistry  # docker, httpx, yaml: only when counting
 
     counted: dict[str, dict[str, dict[str, Any]]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="bench-promote-count-"))
-    with CountingProxy(STAGING) as source:
-        for tool, promote in PROMOTERS.items():
-            if tool == "imagebuild-cli":
-                continue  # the same requests as in-process imagebuild
-            # Across registries, an empty one per tool: the region registries already hold the example's
-            # blobs under the same repository name, which would let a client mount instead of copy.
-            empty = ThrowAwayRegistry(scratch, tool.replace("+", "-"))
-            region = CountingProxy(empty.host).__enter__()
-            for case, target in (("same registry", source), ("cross-registry", region)):
-                fresh_promoter()
-                source.reset()
-                region.reset()
-                project = f"imagebuild-bench/count-{tool.split('+')[0]}-{uuid.uuid4().hex[:8]}"
-                for index, image in enumerate(images):
-                    via = image.replace(STAGING, source.host, 1)
-                    promote(via, f"{target.host}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}", f"promoted-{index}")
-                fresh_promoter()
-                both = [source.counts(), region.counts()] if target is region else [source.counts()]
-                total: dict[str, Any] = {"requests": 0, "bytes_sent": 0, "bytes_received": 0, "by_kind": {}}
-                for counts in both:
-                    for key in ("requests", "bytes_sent", "bytes_received"):
-                        total[key] += counts[key]
-                    for kind, n in counts["by_kind"].items():
-                        total["by_kind"][kind] = total["by_kind"].get(kind, 0) + n
-                counted.setdefault(tool, {})[case] = total
-            region.__exit__()
-            empty.stop()
-    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        with CountingProxy(STAGING) as source:
+            for tool, promote in PROMOTERS.items():
+                if tool == "imagebuild-cli":
+                    continue  # the same requests as in-process imagebuild
+                # Across registries, an empty one per tool: the region registries already hold the
+                # example's blobs under the same repository name, which lets a client mount, not copy.
+                empty = ThrowAwayRegistry(scratch, tool.replace("+", "-"))
+                try:
+                    with CountingProxy(empty.host) as region:
+                        for case, target in (("same registry", source), ("cross-registry", region)):
+                            counted.setdefault(tool, {})[case] = promote_counted(promote, images, source, target, region)
+                finally:
+                    empty.stop()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return counted
+
+
+def promote_counted(promote: Callable[[str, str, str], None], images: list[str], source: CountingProxy,
+                    target: CountingProxy, region: CountingProxy) -> dict[str, Any]:
+    """Every image promoted from `source` into a fresh project behind `target`; what both proxies saw."""
+    fresh_promoter()
+    source.reset()
+    region.reset()
+    project = f"imagebuild-bench/count-{uuid.uuid4().hex[:8]}"
+    for index, image in enumerate(images):
+        via = image.replace(STAGING, source.host, 1)
+        promote(via, f"{target.host}/{project}/{image.split('@')[0].rsplit('/', 1)[-1]}", f"promoted-{index}")
+    fresh_promoter()
+    total: dict[str, Any] = {"requests": 0, "bytes_sent": 0, "bytes_received": 0, "by_kind": {}}
+    for counts in [source.counts()] + ([region.counts()] if target is region else []):
+        for key in ("requests", "bytes_sent", "bytes_received"):
+            total[key] += counts[key]
+        for kind, n in counts["by_kind"].items():
+            total["by_kind"][kind] = total["by_kind"].get(kind, 0) + n
+    return total
 
 
 def print_counts(counted: dict[str, dict[str, dict[str, Any]]], images: int) -> None:

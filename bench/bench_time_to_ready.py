@@ -52,7 +52,7 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 import docker  # noqa: E402
-from bench_cold_build import ThrowAwayRegistry, make_cold, matrix_for, run_peer  # noqa: E402
+from bench_cold_build import ThrowAwayRegistry, make_cold, matrix_for, run_peer, sh  # noqa: E402
 
 from imagebuild.core.runner import docker_cli  # noqa: E402
 
@@ -79,10 +79,6 @@ class Pull:
     @property
     def ready_s(self) -> float:
         return round(self.pull_s + self.rootfs_s, 1)
-
-
-def sh(*cmd: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def tree_bytes(root: Path) -> int:
@@ -138,9 +134,13 @@ class FreshContainerd:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=60)
-        # overlay snapshots may still be mounted by a prepared container: unmount before removing.
-        sh("sh", "-c", f"grep -o ' {self.dir}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
+        unmount_below(self.dir)  # a prepared container's overlay may still be mounted
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def unmount_below(directory: Path) -> None:
+    """Lazily unmount whatever is mounted under directory (a prepared container's overlay)."""
+    sh("sh", "-c", f"grep -o ' {directory}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
 
 
 def drop_caches() -> None:
@@ -210,16 +210,15 @@ def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
         if made.returncode != 0:
             sys.exit(f"docker create {ref} failed:\n{made.stderr[-2000:]}")
         ready_at = time.monotonic()
-        size = json.loads(sh(*client, "image", "inspect", ref).stdout)[0]["Size"]
-        layers = len(json.loads(sh(*client, "image", "inspect", ref).stdout)[0]["RootFS"]["Layers"])
+        [inspected] = json.loads(sh(*client, "image", "inspect", ref).stdout)
         return Pull(image=image, side="docker", ref=ref, pull_s=round(pulled_at - started, 1),
-                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=0, unpacked_bytes=size,
-                    layers=layers, load_before=round(load, 1))
+                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=0, unpacked_bytes=inspected["Size"],
+                    layers=len(inspected["RootFS"]["Layers"]), load_before=round(load, 1))
     finally:
         if process.poll() is None:
             process.terminate()
             process.wait(timeout=120)
-        sh("sh", "-c", f"grep -o ' {directory}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
+        unmount_below(directory)
         sh("ip", "link", "delete", bridge)
         shutil.rmtree(directory, ignore_errors=True)
 
