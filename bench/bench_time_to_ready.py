@@ -55,9 +55,8 @@ import docker  # noqa: E402
 from bench_cold_build import ThrowAwayRegistry, make_cold, matrix_for, run_peer, sh  # noqa: E402
 
 from imagebuild.core.runner import docker_cli  # noqa: E402
+from tests.e2e.nodes import CONTAINERD, CTR, ContainerdNode, unmount_below  # noqa: E402
 
-CONTAINERD = "/usr/bin/containerd"
-CTR = "/usr/bin/ctr"
 DOCKERD = "/usr/sbin/dockerd"
 NAMESPACE = "ttr"
 
@@ -105,67 +104,29 @@ def wait_for(path: Path, process: subprocess.Popen, what: str, log: Path) -> Non
     sys.exit(f"{what} did not start; see {log}:\n{log.read_text()[-2000:]}")
 
 
-class FreshContainerd:
-    """A containerd with nothing in it: its own root, state and socket; stopped and removed on exit."""
-
-    def __init__(self, scratch: Path):
-        self.dir = Path(tempfile.mkdtemp(prefix="containerd-", dir=scratch))
-        self.root, self.state = self.dir / "root", self.dir / "state"
-        self.socket = self.state / "containerd.sock"
-        config = self.dir / "config.toml"
-        config.write_text("\n".join([
-            "version = 2", f'root = "{self.root}"', f'state = "{self.state}"',
-            # No CRI (no kubelet here) and no snapshotters the node would not use.
-            'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",'
-            ' "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs",'
-            ' "io.containerd.snapshotter.v1.devmapper"]',
-            "[grpc]", f'  address = "{self.socket}"', "[ttrpc]", f'  address = "{self.socket}.ttrpc"',
-            '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{self.dir / "opt"}"', ""]))
-        self.log = self.dir / "containerd.log"
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen([CONTAINERD, "--config", str(config)], stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(self.socket, self.process, "containerd", self.log)
-
-    def ctr(self, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-        return sh(CTR, "--address", str(self.socket), "--namespace", NAMESPACE, *args, timeout=timeout)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=60)
-        unmount_below(self.dir)  # a prepared container's overlay may still be mounted
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def unmount_below(directory: Path) -> None:
-    """Lazily unmount whatever is mounted under directory (a prepared container's overlay)."""
-    sh("sh", "-c", f"grep -o ' {directory}[^ ]*' /proc/mounts | xargs -r -n1 umount -l")
-
-
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool) -> Pull:
-    store = FreshContainerd(scratch)
+    store = ContainerdNode(scratch, "ttr")
     try:
         if drop:
             drop_caches()
         load = os.getloadavg()[0]
         started = time.monotonic()
-        pulled = store.ctr("images", "pull", "--plain-http", ref)
+        pulled = store.ctr("images", "pull", "--plain-http", ref, namespace=NAMESPACE)
         pulled_at = time.monotonic()
         if pulled.returncode != 0:
             sys.exit(f"ctr pull {ref} failed:\n{pulled.stderr[-2000:]}")
-        made = store.ctr("containers", "create", ref, f"ttr-{side}")
+        made = store.ctr("containers", "create", ref, f"ttr-{side}", namespace=NAMESPACE)
         if made.returncode != 0:
             sys.exit(f"ctr containers create {ref} failed:\n{made.stderr[-2000:]}")
         ready_at = time.monotonic()
         blobs = store.root / "io.containerd.content.v1.content" / "blobs"
         snapshots = store.root / "io.containerd.snapshotter.v1.overlayfs" / "snapshots"
-        layers = store.ctr("snapshots", "ls").stdout.count("Committed")
+        layers = store.ctr("snapshots", "ls", namespace=NAMESPACE).stdout.count("Committed")
         return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=tree_bytes(blobs),
                     unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1))

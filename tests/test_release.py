@@ -159,6 +159,23 @@ BAD = [
     ("lease: context with a space", "lease_ttl: 10m\n",
      "lease_ttl: 10m\nlease:\n  kubeconfig: k\n  namespace: n\n  context: 'a b'\n", 4,
      "lease.context: 'a b' is not a kubeconfig context name"),
+    ("prepull: a relative socket", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n"
+     "    prepull: {nodes: [{name: n1, containerd: run/c.sock}]}", 1,
+     "regions[2].prepull.nodes[0].containerd: 'run/c.sock' is not an absolute path to a containerd socket"),
+    ("prepull: no nodes", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n    prepull: {nodes: []}", 1,
+     "regions[2].prepull.nodes: must not be empty"),
+    ("prepull: a node twice", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n    prepull:\n      nodes:\n"
+     "        - {name: n1, containerd: /run/a.sock}\n        - {name: n1, containerd: /run/b.sock}", 4,
+     "regions[2].prepull.nodes[1].name: node 'n1' is listed twice"),
+    ("prepull: a node's password", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n"
+     "    prepull: {nodes: [{name: n1, containerd: /run/c.sock, password: pw}]}", 1,
+     "regions[2].prepull.nodes[0].password: a node pulls with its own registry configuration"),
+    ("prepull: a bad timeout", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n"
+     "    prepull: {timeout: 0s, nodes: [{name: n1, containerd: /run/c.sock}]}", 1,
+     "regions[2].prepull.timeout: must be at least 1s"),
+    ("prepull: a bad node name", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n"
+     "    prepull: {nodes: [{name: Node_1, containerd: /run/c.sock}]}", 1,
+     "regions[2].prepull.nodes[0].name: 'Node_1' is not a node name"),
     ("lease: kubeconfig a list", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: [k], namespace: n}\n", 1,
      "lease.kubeconfig: expected a string, got a list"),
 ]

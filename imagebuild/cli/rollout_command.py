@@ -66,7 +66,9 @@ def rollout_group() -> None:
     """Staged rollout of an image to channel tags, region by region in waves, with gates.
 
     A rollout copies the image by digest (signatures included) into each region of a wave,
-    verifies it there, records every channel tag's previous digest, moves the tags, then waits
+    verifies it there, has the region's nodes pull it where release.yaml lists them (`prepull:`;
+    a node that cannot pull halts the rollout before any tag moves), records every channel
+    tag's previous digest, moves the tags, then waits
     on the wave's gates (soak, signature, smoke, Prometheus, HTTP health, approval) before
     the next wave. Its record, lease and audit trail live in the release's state registry, so
     `status`, `resume` and `rollback` work from any machine or CI job.
@@ -87,6 +89,7 @@ def rollout_group() -> None:
       imagebuild rollout resume 20261201t053000-ab12cd   # after a crash, a halt, a registry outage
       imagebuild rollout abort 20261201t053000-ab12cd
       imagebuild rollout rollback 20261201t053000-ab12cd
+      imagebuild rollout prepull-manifest --image REF@DIGEST | kubectl apply -f -   # warm a cluster's nodes
     """
 
 
@@ -270,3 +273,54 @@ def _print_status(data: dict[str, Any]) -> None:
             click.echo(f"  gate {wave}/{safe_text(gate.get('gate'), 100)}@{safe_text(gate.get('region'), 100)}: "
                        f"{safe_text(gate.get('outcome'), 100)}: {safe_text(gate.get('detail'), 500)}")
     click.echo("  (* = at this rollout's digest)")
+
+
+@rollout_group.command("prepull-manifest")
+@click.option("--image", required=True, metavar="REF@DIGEST", help="The image every node pulls, by digest.")
+@click.option("--namespace", default="imagebuild-system", show_default=True, help="The DaemonSet's namespace.")
+@click.option("--name", default=None, help="The DaemonSet's name [default: imagebuild-prepull-<digest prefix>].")
+@click.option("--pause-image", default="registry.k8s.io/pause:3.9", show_default=True,
+              help="What each pod runs once its image is pulled (pin it by digest in production).")
+@click.option("--node-selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              help="Only nodes with this label (repeat), e.g. nvidia.com/gpu.present=true.")
+@click.option("--command", "command_text", default="/bin/true", show_default=True,
+              help="What the image's init container runs to exit at once (space-separated argv).")
+@click.option("--format", "output_format", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
+@reports_input_errors
+def prepull_manifest_command(image: str, namespace: str, name: str | None, pause_image: str,
+                             selectors: tuple[str, ...], command_text: str, output_format: str) -> None:
+    """Print a DaemonSet that makes every selected node pull IMAGE before its channel tag moves.
+
+    Apply it once the image is copied into the region, wait until `kubectl rollout status`
+    says every pod is ready (each node then holds the image), move the tag, delete the DaemonSet.
+    For nodes reached through containerd directly, the rollout's own `prepull:` step does the same.
+
+    \b
+    Examples:
+      imagebuild rollout prepull-manifest --image 127.0.0.1:5001/imagebuild-example/paddle@sha256:... \\
+          --node-selector nvidia.com/gpu.present=true | kubectl apply -f -
+      kubectl -n imagebuild-system rollout status daemonset/imagebuild-prepull-0123456789ab --timeout 15m
+    """
+    import yaml
+
+    from imagebuild.oci.reference import ReferenceError
+    from imagebuild.rollout.prepull import daemonset_manifest
+
+    labels: dict[str, str] = {}
+    for selector in selectors:
+        key, equals, value = selector.partition("=")
+        if not equals or not key:
+            raise InputError("--node-selector", None, "", f"'{selector[:80]}' is not KEY=VALUE")
+        labels[key] = value
+    command = tuple(command_text.split())
+    if not command:
+        raise InputError("--command", None, "", "give the program the init container runs")
+    try:
+        manifest = daemonset_manifest(image, namespace=namespace, name=name, pause_image=pause_image,
+                                      node_selector=labels, command=command)
+    except ReferenceError as exc:
+        raise InputError("--image", None, "", str(exc)) from None
+    if output_format == "json":
+        click.echo(json.dumps(manifest, indent=2, sort_keys=True))
+    else:
+        click.echo(yaml.safe_dump(manifest, sort_keys=False), nl=False)

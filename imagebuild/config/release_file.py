@@ -19,6 +19,8 @@ SCHEMA = 1
 # OCI distribution-spec tag grammar.
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes namespace (DNS-1123 label)
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a Kubernetes node name (DNS-1123 subdomain)
+_CONTAINERD_NAMESPACE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,74}[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -45,12 +47,32 @@ class LeaseCluster:
 
 
 @dataclass(frozen=True)
+class PrepullNode:
+    """One node of a region that pulls a rollout's digest before the region's tags move: a containerd
+    reached at its socket (what a kubelet's node runs), in its namespace, with its own registry config."""
+
+    name: str
+    containerd: Path  # the containerd socket
+    namespace: str = "k8s.io"  # the kubelet's namespace: what the node's pods will find
+    hosts_dir: Path | None = None  # containerd's registry host configuration (mirrors, CAs), as the node has it
+
+
+@dataclass(frozen=True)
+class Prepull:
+    """release.yaml `prepull:` of a region: its nodes, and how long one node may take to pull and unpack."""
+
+    nodes: tuple[PrepullNode, ...]
+    timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
 class Region:
     name: str
     registry: str
     repository: str
     harbor_project: str | None = None
     credentials: CredentialRef | None = None
+    prepull: Prepull | None = None  # None: the tags move without the nodes having pulled first
 
     def image(self, digest: str) -> str:
         return f"{self.registry}/{self.repository}@{digest}"
@@ -248,7 +270,8 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
     seen: dict[str, int] = {}
     for index, item in enumerate(items):
         at: tuple[str | int, ...] = ("regions", index)
-        data = r.mapping(item, at, allowed=("name", "registry", "repository", "harbor_project", "credentials"),
+        data = r.mapping(item, at, allowed=("name", "registry", "repository", "harbor_project", "credentials",
+                                            "prepull"),
                          required=("name", "registry", "repository"))
         name = r.pattern(data["name"], at + ("name",), names.NAME,
                          "a region name (lower-case letters, digits, - inside; at most 63)")
@@ -261,8 +284,34 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
         harbor_project = (r.pattern(project, at + ("harbor_project",), names.PROJECT, "a Harbor project name")
                           if project is not None else None)
         credentials = _credentials(r, data["credentials"], at + ("credentials",)) if "credentials" in data else None
-        regions.append(Region(name, registry, repository, harbor_project, credentials))
+        prepull = _prepull(r, data["prepull"], at + ("prepull",)) if "prepull" in data else None
+        regions.append(Region(name, registry, repository, harbor_project, credentials, prepull))
     return tuple(regions)
+
+
+def _prepull(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> Prepull:
+    data = r.mapping(value, at, allowed=("nodes", "timeout"), required=("nodes",))
+    timeout = r.duration(data["timeout"], at + ("timeout",), minimum=1.0) if "timeout" in data else 900.0
+    nodes: list[PrepullNode] = []
+    for index, item in enumerate(r.sequence(data["nodes"], at + ("nodes",), non_empty=True)):
+        where = at + ("nodes", index)
+        _refuse_secret_values(r, item, where, "a node pulls with its own registry configuration (hosts_dir); "
+                                              "never give credentials here")
+        node = r.mapping(item, where, allowed=("name", "containerd", "namespace", "hosts_dir"),
+                         required=("name", "containerd"))
+        name = r.pattern(node["name"], where + ("name",), _NODE_NAME, "a node name (lower-case letters, digits, "
+                                                                       "- and . inside; at most 253)")
+        if name in (known.name for known in nodes):
+            raise r.error(where + ("name",), f"node '{name}' is listed twice")
+        socket = Path(r.string(node["containerd"], where + ("containerd",)))
+        if not socket.is_absolute():
+            raise r.error(where + ("containerd",), f"'{str(socket)[:80]}' is not an absolute path to a containerd socket")
+        namespace = (r.pattern(node["namespace"], where + ("namespace",), _CONTAINERD_NAMESPACE,
+                               "a containerd namespace (letters, digits, . _ -; at most 76)")
+                     if "namespace" in node else "k8s.io")
+        hosts_dir = Path(r.string(node["hosts_dir"], where + ("hosts_dir",))) if "hosts_dir" in node else None
+        nodes.append(PrepullNode(name, socket, namespace, hosts_dir))
+    return Prepull(tuple(nodes), timeout)
 
 
 def _credentials(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> CredentialRef:
@@ -359,6 +408,6 @@ def _gates(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> tuple[Ga
     return tuple(gates)
 
 
-__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "LeaseCluster", "PrometheusGate",
-           "Region", "ReleaseConfig", "SignatureGate", "SmokeGate", "SoakGate", "Wave", "load_release",
+__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "LeaseCluster", "PrepullNode",
+           "Prepull", "PrometheusGate", "Region", "ReleaseConfig", "SignatureGate", "SmokeGate", "SoakGate", "Wave", "load_release",
            "parse_duration", "parse_release"]

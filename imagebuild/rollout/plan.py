@@ -22,6 +22,7 @@ from imagebuild.oci import names
 class StepKind(str, Enum):
     COPY = "copy"  # copy the digest into the region's repository, signatures and attestations included
     VERIFY = "verify"  # verify the signature (and trust's attestations) in the region's registry
+    PREPULL = "prepull"  # every node of the region (release.yaml prepull:) pulls and unpacks the digest
     RECORD = "record-previous"  # remember what the tag points at now, before anything moves it
     MOVE = "move-tag"  # point the channel tag at the digest
     GATES = "gates"  # wait until every gate of the wave passed
@@ -178,6 +179,8 @@ def plan_rollout(config: ReleaseConfig, digest: str, channels: Sequence[str]) ->
         for region in wave.regions:
             kinds.append((StepKind.COPY, wave.name, region, None))
             kinds.append((StepKind.VERIFY, wave.name, region, None))
+            if config.region(region).prepull is not None:  # warm the nodes before any tag of the wave moves
+                kinds.append((StepKind.PREPULL, wave.name, region, None))
         # Every previous digest of the wave is recorded before any of its tags moves.
         for region in wave.regions:
             kinds.extend((StepKind.RECORD, wave.name, region, tag) for tag in tags)

@@ -36,10 +36,11 @@ from typing import Any, Literal, cast
 from imagebuild.config.release_file import ApprovalGate, GateSpec, Region, ReleaseConfig
 from imagebuild.config.trust import TrustConfig, load_trust_config
 from imagebuild.core.errors import ExitCode, ImagebuildError
+from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import safe_text
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
-from imagebuild.rollout import gates
+from imagebuild.rollout import gates, prepull
 from imagebuild.rollout.lease import ChannelLease, open_lease
 from imagebuild.rollout.plan import (
     ROLLOUT_ID_PATTERN,
@@ -337,6 +338,9 @@ class Reconciler:
             return self._copy(region)
         if step.kind is StepKind.VERIFY:
             return self._verify(region)
+        if step.kind is StepKind.PREPULL:
+            wave["state"] = "prepulling"
+            return self._prepull(region)
         assert step.tag is not None
         if step.kind is StepKind.RECORD:
             return self._record_previous(region, step.tag)
@@ -405,6 +409,23 @@ class Reconciler:
         reason = self._verify_in(region)
         self.journal.event("verify", region=region.name, to=self.digest, detail=reason)
         return {"verified": reason}
+
+    def _prepull(self, region: Region) -> dict[str, Any]:
+        """Every node of the region pulls the digest; one that cannot halts the rollout before any tag moves."""
+        try:
+            answers = prepull.prepull_region(
+                region, self.digest, on_node=lambda answer: self.out(
+                    f"  prepull {region.name}/{answer.node}: {'ready' if answer.ready else 'not ready'}: {answer.detail}"))
+        except ToolMissing as missing:
+            raise _Halt(f"region {region.name}: prepull: {missing}", missing.exit_code) from None
+        nodes = [answer.to_dict() for answer in answers]
+        self.journal.event("prepull", region=region.name, to=self.digest, nodes=nodes)
+        failed = [answer for answer in answers if not answer.ready]
+        if failed:
+            first = failed[0]
+            raise _Halt(f"region {region.name}: node {first.node} {first.detail}; "
+                        f"{len(failed)} of {len(answers)} nodes not ready, no tag of the region moved")
+        return {"nodes": nodes}
 
     def _record_previous(self, region: Region, tag: str) -> dict[str, Any]:
         key = previous_key(region.name, tag)

@@ -73,7 +73,8 @@ class Setup:
         return self.tmp_path / "state"
 
     def write(self, waves: str, channels: str = '[stable, "2.6-gpu"]', lease_ttl: str = "1m",
-              attestations: str = "[]") -> None:
+              attestations: str = "[]", region_keys: dict[str, str] | None = None) -> None:
+        """release.yaml and its trust file; `region_keys` adds flow-style keys to a region (`prepull: {...}`)."""
         (self.tmp_path / "trust.yaml").write_text(textwrap.dedent(f"""\
             schema: 1
             mode: enforce
@@ -85,7 +86,9 @@ class Setup:
             cache_ttl_seconds: 0
             webhook: {{namespace: imagebuild-system, name: imagebuild-admission, image: "{STAGING}/a/b:c", port: 8443}}
             """))
-        regions = "\n".join(f"  - {{name: {name}, registry: '{host}', repository: {self.repository}}}"
+        extra = region_keys or {}
+        regions = "\n".join(f"  - {{name: {name}, registry: '{host}', repository: {self.repository}"
+                            f"{', ' + extra[name] if name in extra else ''}}}"
                             for name, host in self.regions.items())
         self.release.write_text(f"schema: 1\ntrust: trust.yaml\n"
                                 f"state: {{registry: '{STAGING}', repository: {self.name}/rollouts}}\n"
