@@ -458,3 +458,24 @@ def test_docker_20_10_runs_a_zstd_image_by_digest_where_it_holds_its_config_and_
         engine.images.remove(image.id, force=True)  # the config (and the digest's name) gone with it
         pulled = subprocess.run([docker_cli(), "pull", ref], capture_output=True, text=True, timeout=300, check=False)
         assert pulled.returncode != 0 and "invalid tar header" in pulled.stderr, pulled.stdout + pulled.stderr
+
+
+def test_a_zstd_image_and_its_blobs_are_copied_into_a_region_registry_as_they_are(engine, tmp_path, repository,
+                                                                                  zstd_child):
+    from imagebuild.oci.client import Registry
+    from imagebuild.oci.copy import copy_image
+
+    from .conftest import REGIONS
+
+    parent_ref, child = zstd_child
+    pushed = publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
+                     spool=tmp_path, compression=ZSTD)
+    region = REGIONS["eu-west"]
+    with Registry(STAGING) as source, Registry(region) as target:
+        copied = copy_image(source, repository, pushed.digest, target, repository, tags=["zstd"])
+        assert copied.digest == pushed.digest and copied.media_type == OCI_MANIFEST
+        raw, media_type, digest = target.get_manifest(repository, "zstd")
+        assert (digest, media_type) == (pushed.digest, OCI_MANIFEST)
+        for layer in json.loads(raw)["layers"]:
+            assert layer["mediaType"] == OCI_LAYER_ZSTD
+            assert target.blob_size(repository, layer["digest"]) == layer["size"]
