@@ -19,18 +19,8 @@ from imagebuild.build.publish import (
     twin_problem,
     twin_tag,
 )
-from imagebuild.oci.compression import (
-    DEFAULT,
-    DOCKER_CONFIG,
-    DOCKER_LAYER,
-    DOCKER_MANIFEST,
-    OCI_CONFIG,
-    OCI_LAYER_GZIP,
-    OCI_LAYER_ZSTD,
-    OCI_MANIFEST,
-    Compression,
-    parse_compression,
-)
+from imagebuild.oci import compression as media
+from imagebuild.oci.compression import DEFAULT, Compression, parse_compression
 
 ZSTD = Compression("zstd", 3)
 
@@ -51,13 +41,13 @@ def test_gzip_zstd_and_zstd_with_a_level_are_read(text, spec):
 def test_gzip_is_the_default_and_says_docker_schema_2():
     assert parse_compression("gzip") == DEFAULT
     assert (DEFAULT.manifest_media_type, DEFAULT.config_media_type, DEFAULT.layer_media_type) == \
-        (DOCKER_MANIFEST, DOCKER_CONFIG, DOCKER_LAYER)
+        (media.DOCKER_MANIFEST, media.DOCKER_CONFIG, media.DOCKER_LAYER)
 
 
 def test_zstd_says_oci_manifest_config_and_zstd_layers():
     zstd = parse_compression("zstd")
     assert (zstd.manifest_media_type, zstd.config_media_type, zstd.layer_media_type) == \
-        (OCI_MANIFEST, OCI_CONFIG, OCI_LAYER_ZSTD)
+        (media.OCI_MANIFEST, media.OCI_CONFIG, media.OCI_LAYER_ZSTD)
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -80,20 +70,20 @@ def test_anything_else_is_refused_in_one_line(text, message):
 
 
 def test_a_gzip_push_keeps_the_schema_2_manifest_byte_for_byte():
-    config = Descriptor(DOCKER_CONFIG, _digest("c"), 12)
-    layers = [Descriptor(DOCKER_LAYER, _digest("l0"), 3), Descriptor(DOCKER_LAYER, _digest("l1"), 4)]
+    config = Descriptor(media.DOCKER_CONFIG, _digest("c"), 12)
+    layers = [Descriptor(media.DOCKER_LAYER, _digest("l0"), 3), Descriptor(media.DOCKER_LAYER, _digest("l1"), 4)]
     assert image_manifest(config, layers) == schema2_manifest(config, layers)
     assert image_manifest(config, layers, DEFAULT) == schema2_manifest(config, layers)
 
 
 def test_a_zstd_push_is_an_oci_manifest_of_the_same_config_with_zstd_layers():
-    config = Descriptor(DOCKER_CONFIG, _digest("c"), 12)
-    layers = [Descriptor(OCI_LAYER_ZSTD, _digest("z0"), 3), Descriptor(OCI_LAYER_ZSTD, _digest("z1"), 4)]
+    config = Descriptor(media.DOCKER_CONFIG, _digest("c"), 12)
+    layers = [Descriptor(media.OCI_LAYER_ZSTD, _digest("z0"), 3), Descriptor(media.OCI_LAYER_ZSTD, _digest("z1"), 4)]
     manifest = json.loads(image_manifest(config, layers, ZSTD))
-    assert manifest["schemaVersion"] == 2 and manifest["mediaType"] == OCI_MANIFEST
-    assert manifest["config"] == {"mediaType": OCI_CONFIG, "digest": config.digest, "size": 12}
+    assert manifest["schemaVersion"] == 2 and manifest["mediaType"] == media.OCI_MANIFEST
+    assert manifest["config"] == {"mediaType": media.OCI_CONFIG, "digest": config.digest, "size": 12}
     assert [(layer["mediaType"], layer["digest"], layer["size"]) for layer in manifest["layers"]] == \
-        [(OCI_LAYER_ZSTD, layer.digest, layer.size) for layer in layers]
+        [(media.OCI_LAYER_ZSTD, layer.digest, layer.size) for layer in layers]
 
 
 # --- reuse -------------------------------------------------------------------------------------
@@ -101,29 +91,29 @@ def test_a_zstd_push_is_an_oci_manifest_of_the_same_config_with_zstd_layers():
 
 def _parent() -> tuple[dict[str, object], dict[str, object], list[str]]:
     diff_ids = [_digest("d0"), _digest("d1"), _digest("d2")]
-    manifest = {"layers": [{"mediaType": DOCKER_LAYER, "digest": _digest("b0"), "size": 10},
-                           {"mediaType": OCI_LAYER_GZIP, "digest": _digest("b1"), "size": 20},
-                           {"mediaType": OCI_LAYER_ZSTD, "digest": _digest("b2"), "size": 30}]}
+    manifest = {"layers": [{"mediaType": media.DOCKER_LAYER, "digest": _digest("b0"), "size": 10},
+                           {"mediaType": media.OCI_LAYER_GZIP, "digest": _digest("b1"), "size": 20},
+                           {"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("b2"), "size": 30}]}
     return manifest, {"rootfs": {"diff_ids": diff_ids}}, diff_ids
 
 
 def test_a_gzip_push_reuses_only_gzip_blobs_and_a_zstd_push_only_zstd_blobs():
     manifest, config, diff_ids = _parent()
     assert set(reusable_layers(manifest, config)) == set(diff_ids[:2])
-    assert reusable_layers(manifest, config, ZSTD) == {diff_ids[2]: Descriptor(OCI_LAYER_ZSTD, _digest("b2"), 30)}
+    assert reusable_layers(manifest, config, ZSTD) == {diff_ids[2]: Descriptor(media.OCI_LAYER_ZSTD, _digest("b2"), 30)}
 
 
 # --- the zstd twin of a gzip parent ------------------------------------------------------------
 
 
 PARENT = "sha256:" + "ab" * 32
-CONFIG = Descriptor(DOCKER_CONFIG, _digest("config"), 99)
+CONFIG = Descriptor(media.DOCKER_CONFIG, _digest("config"), 99)
 DIFF_IDS = [_digest("d0"), _digest("d1")]
 
 
 def _twin(**changes: object) -> dict[str, object]:
     twin: dict[str, object] = json.loads(image_manifest(
-        CONFIG, [Descriptor(OCI_LAYER_ZSTD, _digest(f"z{i}"), 10 + i) for i in range(2)], ZSTD))
+        CONFIG, [Descriptor(media.OCI_LAYER_ZSTD, _digest(f"z{i}"), 10 + i) for i in range(2)], ZSTD))
     twin.update(changes)
     return twin
 
@@ -135,30 +125,30 @@ def test_the_twins_tag_names_the_parents_digest_and_the_level():
 
 
 def test_a_twin_of_the_parents_config_with_one_zstd_layer_per_diff_id_is_used():
-    assert twin_problem(_twin(), OCI_MANIFEST, CONFIG, DIFF_IDS, ZSTD) is None
+    assert twin_problem(_twin(), media.OCI_MANIFEST, CONFIG, DIFF_IDS, ZSTD) is None
 
 
 @pytest.mark.parametrize(("twin", "media_type", "problem"), [
-    (_twin(), DOCKER_MANIFEST, "not an OCI image manifest"),
-    (_twin(mediaType=DOCKER_MANIFEST), OCI_MANIFEST, "not an OCI image manifest"),
-    (_twin(config={"mediaType": OCI_CONFIG, "digest": _digest("other"), "size": 99}), OCI_MANIFEST,
+    (_twin(), media.DOCKER_MANIFEST, "not an OCI image manifest"),
+    (_twin(mediaType=media.DOCKER_MANIFEST), media.OCI_MANIFEST, "not an OCI image manifest"),
+    (_twin(config={"mediaType": media.OCI_CONFIG, "digest": _digest("other"), "size": 99}), media.OCI_MANIFEST,
      "its config is not the parent's"),
-    (_twin(config={"mediaType": OCI_CONFIG, "digest": CONFIG.digest, "size": 98}), OCI_MANIFEST,
+    (_twin(config={"mediaType": media.OCI_CONFIG, "digest": CONFIG.digest, "size": 98}), media.OCI_MANIFEST,
      "its config is not the parent's"),
-    (_twin(layers=[{"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1}]), OCI_MANIFEST,
+    (_twin(layers=[{"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1}]), media.OCI_MANIFEST,
      "it lists 1 layers, the parent 2"),
-    (_twin(layers="none"), OCI_MANIFEST, "it lists no layers"),
-    (_twin(layers=[{"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1},
-                   {"mediaType": DOCKER_LAYER, "digest": _digest("z1"), "size": 1}]), OCI_MANIFEST,
-     f"layer 1 is not {OCI_LAYER_ZSTD}"),
-    (_twin(layers=[{"mediaType": OCI_LAYER_ZSTD, "digest": "sha256:../../x", "size": 1},
-                   {"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": 1}]), OCI_MANIFEST,
+    (_twin(layers="none"), media.OCI_MANIFEST, "it lists no layers"),
+    (_twin(layers=[{"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1},
+                   {"mediaType": media.DOCKER_LAYER, "digest": _digest("z1"), "size": 1}]), media.OCI_MANIFEST,
+     f"layer 1 is not {media.OCI_LAYER_ZSTD}"),
+    (_twin(layers=[{"mediaType": media.OCI_LAYER_ZSTD, "digest": "sha256:../../x", "size": 1},
+                   {"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": 1}]), media.OCI_MANIFEST,
      "layer 0 has no well-formed digest and size"),
-    (_twin(layers=[{"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": True},
-                   {"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": 1}]), OCI_MANIFEST,
+    (_twin(layers=[{"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": True},
+                   {"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": 1}]), media.OCI_MANIFEST,
      "layer 0 has no well-formed digest and size"),
-    (_twin(layers=[{"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1},
-                   {"mediaType": OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": -5}]), OCI_MANIFEST,
+    (_twin(layers=[{"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z0"), "size": 1},
+                   {"mediaType": media.OCI_LAYER_ZSTD, "digest": _digest("z1"), "size": -5}]), media.OCI_MANIFEST,
      "layer 1 has no well-formed digest and size"),
 ])
 def test_a_twin_that_does_not_stand_for_the_parent_is_not_used(twin, media_type, problem):

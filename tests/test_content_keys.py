@@ -246,10 +246,17 @@ def test_an_include_entrys_compression_wins_over_the_top_levels(plan_of):
 
 def test_the_plan_record_shows_each_variants_and_layers_compression(plan_of):
     from imagebuild.build.plan import plan_record
+    from imagebuild.build.scheduler import planned_report
+    from imagebuild.core.report import BuildReport
 
-    record = plan_record(plan_of(KEYS + "    - {cuda: cpu, compression: zstd}\n"))
+    plan = plan_of(KEYS + "    - {cuda: cpu, compression: zstd}\n")
+    record = plan_record(plan)
     assert [v["compression"] for v in record["variants"]] == ["zstd:3", "gzip", "gzip"]
     assert {layer["compression"] for layer in record["layers"] if layer["kind"] != "release"} == {"gzip"}
+    report = planned_report(plan, plan.variants, {})
+    assert [v.compression for v in report.variants] == ["zstd:3", "gzip", "gzip"]
+    read_back = BuildReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert [v.compression for v in read_back.variants] == ["zstd:3", "gzip", "gzip"]
 
 
 def test_a_template_edit_changes_the_layers_from_that_template_and_all_above_them(plan_of, package_templates, tmp_path):
