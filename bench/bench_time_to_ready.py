@@ -25,6 +25,10 @@ Side by side, for each image:
               digest) into a throw-away registry of its own on loopback, pulled the same way
   docker      (--docker-pull) `docker pull` of the imagebuild image into a Docker engine with
               an empty --data-root of its own, for sites whose nodes run Docker
+  zstd        (--compression zstd[:level]) the same image (the engine's copy of its config and
+              layers) pushed again by imagebuild's publish with zstd layers under an OCI
+              manifest, into a throw-away registry of its own on loopback, pulled the same way
+              (the publish's seconds are printed too); Docker 20.10 cannot pull it
 
 The peer's builds reuse the engine's BuildKit cache (the figure is the pull, not the build),
 but its push compresses every layer again. The registries read blobs through the page cache:
@@ -54,7 +58,10 @@ sys.path.insert(0, str(BENCH))
 import docker  # noqa: E402
 from bench_cold_build import ThrowAwayRegistry, make_cold, matrix_for, run_peer, sh  # noqa: E402
 
+from imagebuild.build.publish import publish  # noqa: E402
 from imagebuild.core.runner import docker_cli  # noqa: E402
+from imagebuild.oci.client import INDEX_TYPES, ImageRef, Registry  # noqa: E402
+from imagebuild.oci.compression import Compression, parse_compression  # noqa: E402
 from tests.e2e.nodes import CONTAINERD, CTR, ContainerdNode, unmount_below  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
@@ -217,6 +224,39 @@ def peer_images(matrix: Path, base: str, variants: dict[str, str], scratch: Path
     return registry, refs
 
 
+def zstd_images(region: str, repository: str, channels: list[str], compression: Compression,
+                scratch: Path) -> tuple[ThrowAwayRegistry, dict[str, str]]:
+    """Each channel's region image pushed again as zstd into a throw-away registry; channel -> its ref by digest.
+
+    The bytes are the engine's own copy of the image (the config the region's manifest names, so
+    the same diff_ids), read and compressed by imagebuild's publish, every layer new to the registry.
+    """
+    engine = docker.from_env(timeout=600)
+    sources: dict[str, str] = {}
+    with Registry(region) as registry:
+        for channel in channels:
+            raw, media_type, _ = registry.get_manifest(repository, channel)
+            if media_type in INDEX_TYPES:
+                print(f"[zstd] {channel}: an index; skipped", file=sys.stderr)
+                continue
+            config = json.loads(raw)["config"]["digest"]
+            try:
+                sources[channel] = engine.images.get(config).id
+            except docker.errors.ImageNotFound:
+                sys.exit(f"{region}/{repository}:{channel}: the engine holds no image of config {config} "
+                         "(run scripts/example.sh on this host)")
+    target = ThrowAwayRegistry(scratch, "ttr-zstd")
+    refs = {}
+    for channel, image in sources.items():
+        started = time.monotonic()
+        pushed = publish(image, ImageRef.parse(f"{target.host}/bench/zstd:{channel}"), None, spool=scratch,
+                         compression=compression)
+        print(f"[zstd] {channel}: published as {compression.spec} in {time.monotonic() - started:.1f} s "
+              f"({pushed.uploaded_bytes / 1e9:.3f} GB of blobs; {pushed.steps})", file=sys.stderr, flush=True)
+        refs[channel] = f"{target.host}/bench/zstd@{pushed.digest}"
+    return target, refs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--region-registry", default="127.0.0.1:5001", help="the region the node pulls from")
@@ -230,6 +270,8 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip the plain docker build + push side")
     parser.add_argument("--docker-pull", action="store_true", help="also time docker pull into an empty data root")
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each pull (root)")
+    parser.add_argument("--compression", type=parse_compression, default=None, metavar="zstd[:LEVEL]",
+                        help="also pull each image pushed again with this layer compression (the zstd side)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -242,8 +284,13 @@ def main() -> int:
     pulls: list[Pull] = []
     with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
         scratch = Path(tmp)
-        registry = None
+        registry = zstd_registry = None
         try:
+            if args.compression is not None and not args.compression.is_gzip:
+                zstd_registry, zstd_refs = zstd_images(args.region_registry, args.repository, channels,
+                                                       args.compression, scratch)
+                for channel, ref in zstd_refs.items():
+                    refs[channel]["zstd"] = ref
             if not args.no_peer:
                 registry, peer = peer_images(args.matrix, args.base, channel_variants(args.report, channels), scratch)
                 for channel, ref in peer.items():
@@ -259,6 +306,8 @@ def main() -> int:
                     for _ in range(args.runs):
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
         finally:
+            if zstd_registry is not None:
+                zstd_registry.stop()
             if registry is not None:
                 registry.stop()
                 make_cold(docker.from_env(timeout=600), [registry.host], prune=False)  # the peer's tags
@@ -272,7 +321,7 @@ def main() -> int:
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
           f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "peer", "docker"):
+        for side in ("imagebuild", "zstd", "peer", "docker"):
             pull = median(channel, side)
             if pull is None:
                 continue
@@ -286,6 +335,13 @@ def main() -> int:
             result["ratios"][channel] = ratio
             print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
                   f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
+        zstd = median(channel, "zstd")
+        if ours and zstd:
+            ratio = {"ready": round(ours.ready_s / zstd.ready_s, 2),
+                     "fetched": round(zstd.fetched_bytes / ours.fetched_bytes, 3)}
+            result["ratios"][f"{channel}-zstd"] = ratio
+            print(f"{channel:10} gzip/zstd ready {ratio['ready']}x; zstd fetches {ratio['fetched'] * 100:.1f}% "
+                  "of gzip's bytes")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

@@ -122,3 +122,16 @@ def test_the_probe_reads_each_workers_platforms_and_the_buildkit_version():
 def test_an_answer_without_workers_or_platforms_is_refused(answer):
     with pytest.raises(ValueError, match="no workers in its answer|report no platform"):
         parse_workers(answer)
+
+
+def test_a_zstd_release_is_pushed_by_the_daemon_with_every_layer_as_oci_zstd(tmp_path, layer_and_options):
+    import dataclasses
+
+    from imagebuild.oci.compression import Compression
+
+    plan, layer, rec, options = layer_and_options
+    zstd = dataclasses.replace(layer, compression=Compression("zstd", 5))
+    argv = builder(tmp_path, plan, options).command(zstd, rec, tmp_path / "metadata.json")
+    assert argv[argv.index("--output") + 1] == (
+        f"type=image,name={rec.image},push=true,registry.insecure=true,"
+        "compression=zstd,compression-level=5,force-compression=true,oci-mediatypes=true")

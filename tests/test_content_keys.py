@@ -218,6 +218,47 @@ def test_a_label_from_an_include_changes_only_the_release_layers_it_reaches(plan
     assert changed(plan_of(), after) == {0: ["release"]}
 
 
+def test_gzip_said_or_left_unsaid_keeps_every_key_as_it_was(plan_of):
+    """gzip is the default, and every cache and release tag in a registry is keyed without it."""
+    assert changed(plan_of(), plan_of(KEYS + "compression: gzip\n")) == {}
+    assert content_key("base", {"Dockerfile": "FROM scratch\n"}, {"IMAGEBUILD_BASE": "docker.io/library/debian:12"},
+                       None) == "08709292c0da80a8db935bc888cff008f9f968210bba0db584932605e0fc8671"
+
+
+def test_zstd_changes_only_the_release_layers_and_each_level_is_another_key(plan_of):
+    """The layers below are built and pushed gzip whatever the release's compression (BuildKit's cache)."""
+    gzip, zstd = plan_of(), plan_of(KEYS + "compression: zstd\n")
+    assert changed(gzip, zstd) == {i: ["release"] for i in range(3)}
+    assert changed(zstd, plan_of(KEYS + "compression: zstd:3\n")) == {}  # 3 is zstd's default level
+    assert changed(zstd, plan_of(KEYS + "compression: zstd:19\n")) == {i: ["release"] for i in range(3)}
+    assert {zstd.layers[v.chain[-1]].compression.spec for v in zstd.variants} == {"zstd:3"}
+    assert {zstd.layers[k].compression.spec for v in zstd.variants for k in v.chain[:-1]} == {"gzip"}
+    assert zstd.rendered_files() == gzip.rendered_files()  # the same Dockerfiles, built the same way
+
+
+def test_an_include_entrys_compression_wins_over_the_top_levels(plan_of):
+    entry = plan_of(KEYS + "    - {cuda: cpu, compression: \"zstd:7\"}\n")
+    assert changed(plan_of(), entry) == {0: ["release"]}
+    both = plan_of(KEYS + "    - {cuda: cpu, compression: gzip}\ncompression: zstd\n")
+    assert [v.compression.spec for v in both.variants] == ["gzip", "zstd:3", "zstd:3"]
+    assert changed(plan_of(), both) == {1: ["release"], 2: ["release"]}
+
+
+def test_the_plan_record_shows_each_variants_and_layers_compression(plan_of):
+    from imagebuild.build.plan import plan_record
+    from imagebuild.build.scheduler import planned_report
+    from imagebuild.core.report import BuildReport
+
+    plan = plan_of(KEYS + "    - {cuda: cpu, compression: zstd}\n")
+    record = plan_record(plan)
+    assert [v["compression"] for v in record["variants"]] == ["zstd:3", "gzip", "gzip"]
+    assert {layer["compression"] for layer in record["layers"] if layer["kind"] != "release"} == {"gzip"}
+    report = planned_report(plan, plan.variants, {})
+    assert [v.compression for v in report.variants] == ["zstd:3", "gzip", "gzip"]
+    read_back = BuildReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert [v.compression for v in read_back.variants] == ["zstd:3", "gzip", "gzip"]
+
+
 def test_a_template_edit_changes_the_layers_from_that_template_and_all_above_them(plan_of, package_templates, tmp_path):
     edited = tmp_path / "templates"
     shutil.copytree(package_templates, edited)

@@ -241,6 +241,13 @@ CASES = [
     Case("extra-layer-defined-twice",
          append("extra_layers:", "  - {name: tools, packages: [git]}", "  - {name: tools, packages: [curl]}"),
          27, "extra_layers[1].name", "extra layer 'tools' is defined twice"),
+    # --- layer compression -----------------------------------------------------------------
+    Case("unknown-compression", append("compression: brotli"),
+         25, "compression", "'brotli' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>)",
+         render=True),
+    Case("zstd-level-out-of-range", append("  include:", '    - {python: "3.11", compression: "zstd:20"}'),
+         26, "matrix.include[0].compression", "'zstd:20': the zstd level must be a whole number from 1 to 19"),
+    Case("gzip-with-a-level", append("compression: gzip:6"), 25, "compression", "'gzip:6': gzip takes no level"),
     # --- hardening -------------------------------------------------------------------------
     Case("user-uid-0", append("user:", "  uid: 0"), 26, "user.uid", "must be at least 1, got 0"),
     Case("user-gid-0", append("user: {name: paddle, gid: 0}"), 25, "user.gid", "must be at least 1, got 0"),

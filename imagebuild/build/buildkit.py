@@ -153,8 +153,12 @@ class BuildKitLayerBuilder:
             args += ["--secret", f"id={sid},src={path}"]
         # The daemon pushes: the cache registries here are plain HTTP on loopback (a remote daemon
         # reaches its own registry mirror the same way, configured in its buildkitd.toml).
-        args += ["--output", f"type=image,name={rec.image},push=true,registry.insecure=true",
-                 "--metadata-file", str(metadata)]
+        output = f"type=image,name={rec.image},push=true,registry.insecure=true"
+        if not layer.compression.is_gzip:
+            # The daemon pushes a zstd release itself: every layer, the parent's too, as OCI zstd blobs.
+            output += (f",compression=zstd,compression-level={layer.compression.level},force-compression=true,"
+                       "oci-mediatypes=true")
+        args += ["--output", output, "--metadata-file", str(metadata)]
         return self.buildctl.argv(*args)
 
     def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:

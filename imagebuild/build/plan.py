@@ -23,6 +23,8 @@ from imagebuild.build.render import render_template
 from imagebuild.config.matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
 from imagebuild.config.support import DEFAULT_PLATFORM
 from imagebuild.core.source import InputError, PathKey, suggest
+from imagebuild.oci.compression import DEFAULT as DEFAULT_COMPRESSION
+from imagebuild.oci.compression import Compression
 
 KEY_VERSION = 2  # 2: the platform is part of every key
 
@@ -50,6 +52,8 @@ class Layer:
     build_args: tuple[tuple[str, str], ...]
     root: Root | None = None
     platform: str = DEFAULT_PLATFORM
+    # How this layer's image is pushed: a variant's release layer may be zstd, every other layer is gzip.
+    compression: Compression = DEFAULT_COMPRESSION
 
     @property
     def path(self) -> str:
@@ -91,6 +95,7 @@ class Variant:
     # One per platform, in the matrix's order. With two or more, the variant's image is an OCI image
     # index of their release layers; with one, that release layer's image itself.
     platform_chains: tuple[PlatformChain, ...]
+    compression: Compression = DEFAULT_COMPRESSION  # the release image's (every platform's)
 
     @property
     def device(self) -> str:
@@ -143,8 +148,9 @@ class Plan:
 
 
 def content_key(kind: str, files: Mapping[str, str], build_args: Mapping[str, str],
-                parent: str | None, platform: str = DEFAULT_PLATFORM) -> str:
-    payload = {
+                parent: str | None, platform: str = DEFAULT_PLATFORM,
+                compression: Compression = DEFAULT_COMPRESSION) -> str:
+    payload: dict[str, Any] = {
         "v": KEY_VERSION,
         "kind": kind,
         "platform": platform,
@@ -152,6 +158,10 @@ def content_key(kind: str, files: Mapping[str, str], build_args: Mapping[str, st
         "args": dict(sorted(build_args.items())),
         "parent": parent,
     }
+    if not compression.is_gzip:
+        # The same build pushed otherwise is another image (other blobs, manifest and digest), so it
+        # gets its own key and tag. Only then: every gzip layer keeps the key it always had.
+        payload["compression"] = compression.spec
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -187,7 +197,7 @@ class _Builder:
 
     def add(self, kind: str, template: str, name: str, parent: str | None, context: dict[str, Any],
             build_args: dict[str, str] | None = None, root: Root | None = None,
-            where: PathKey = ("matrix",)) -> str:
+            where: PathKey = ("matrix",), compression: Compression = DEFAULT_COMPRESSION) -> str:
         """Render and key one layer; `where` is the matrix entry to blame for a folder clash."""
         args = dict(build_args or {})
         if root is not None and not root.pinned:
@@ -199,7 +209,7 @@ class _Builder:
             if memo in self.memo:
                 return self.memo[memo]
         files = {"Dockerfile": render_template(template, context, self.templates_dir)}
-        key = content_key(kind, files, args, parent, self.platform)
+        key = content_key(kind, files, args, parent, self.platform, compression)
         path = f"{kind}/{name}"
         if self.names.get((path, self.platform), key) != key:
             raise self.matrix.document.error(
@@ -209,7 +219,8 @@ class _Builder:
         if key not in self.layers:
             self.layers[key] = Layer(kind=kind, name=name, key=key, parent=parent,
                                      files=tuple(sorted(files.items())),
-                                     build_args=tuple(sorted(args.items())), root=root, platform=self.platform)
+                                     build_args=tuple(sorted(args.items())), root=root, platform=self.platform,
+                                     compression=compression)
         if memo is not None:
             self.memo[memo] = key
         return key
@@ -257,7 +268,7 @@ def build_plan(matrix: Matrix, revision: str = "unknown", created: str = "1970-0
         variants.append(Variant(id=variant_id, os=combo.os, cuda=cuda.version if cuda else None,
                                 cudnn=cuda.cudnn if cuda else None, python=combo.python,
                                 paddle=combo.paddle, tags=tags, chain=tuple(k for c in chains for k in c.chain),
-                                platform_chains=tuple(chains)))
+                                platform_chains=tuple(chains), compression=combo.compression))
     _check_unique_tags(matrix, variants)
     return Plan(matrix_file=matrix.file, registry=matrix.registry, project=matrix.project,
                 repository=matrix.repository, cache_repository=matrix.cache_repository,
@@ -356,7 +367,7 @@ def _release(b: _Builder, variant_id: str, parent: str, os_spec: OSSpec, cuda: C
     args = {"IMAGEBUILD_REVISION": b.revision, "IMAGEBUILD_CREATED": b.created}
     if not root.pinned:
         args["IMAGEBUILD_BASE_DIGEST"] = root.digest or "unresolved"
-    return b.add("release", "release", variant_id, parent, ctx, build_args=args)
+    return b.add("release", "release", variant_id, parent, ctx, build_args=args, compression=combo.compression)
 
 
 def _variant_id(paddle: str, cuda: CudaSpec | None, python: str, os_name: str) -> str:
@@ -462,6 +473,7 @@ def plan_record(the_plan: Plan, selected: set[str] | None = None) -> dict[str, A
                 "layers": [the_plan.layers[k].path for k in v.platform_chains[0].chain],
                 "platforms": list(v.platforms),
                 "index": v.multi_platform,
+                "compression": v.compression.spec,
             }
             for v in the_plan.variants if selected is None or v.id in selected
         ],
@@ -469,7 +481,7 @@ def plan_record(the_plan: Plan, selected: set[str] | None = None) -> dict[str, A
             {
                 "key": layer.key, "kind": layer.kind, "path": layer.path, "platform": layer.platform,
                 "parent": layer.parent,
-                "cache_tag": layer.cache_tag, "shared": layer.key in shared,
+                "cache_tag": layer.cache_tag, "shared": layer.key in shared, "compression": layer.compression.spec,
                 "used_by": the_plan.users(layer.key),
                 "from": layer.root.reference if layer.root else None,
                 "from_pinned": layer.root.pinned if layer.root else None,

@@ -160,7 +160,8 @@ def planned_report(plan: Plan, variants: Iterable[Variant], held: Mapping[str, s
     records = [
         VariantRecord(id=v.id, tags=list(v.tags), images=[f"{plan.repository_ref}:{t}" for t in v.tags],
                       chain=list(v.chain), device=v.device, paddle=v.paddle, python=v.python,
-                      cuda=v.cuda, cudnn=v.cudnn, os=v.os, platforms=list(v.platforms))
+                      cuda=v.cuda, cudnn=v.cudnn, os=v.os, platforms=list(v.platforms),
+                      compression=v.compression.spec)
         for v in variants
     ]
     return BuildReport(matrix=plan.matrix_file, revision="", registry=plan.registry,
@@ -518,7 +519,9 @@ class DockerLayerBuilder:
         base = self.cache_ref if layer.parent is not None else (layer.root.image if layer.root else "")
         parent = ImageRef.parse(f"{reference.split(base).name}@{rec.base_digest}") if base and rec.base_digest else None
         try:
-            pushed = self.pusher.push(rec.image, parent)
+            # A zstd release is still built FROM the gzip parent (BuildKit's cache follows its blobs);
+            # only this push differs.
+            pushed = self.pusher.push(rec.image, parent, layer.compression)
         except (publish.PublishError, RegistryError, OSError, DockerException) as exc:
             pushed = publish.Pushed(None, "imagebuild",
                                     f"imagebuild: push of {rec.image} failed: {exc.__class__.__name__}: {exc}\n")

@@ -141,6 +141,8 @@ def print_plan(the_plan: planning.Plan, selected: set[str] | None = None) -> Non
             f"{the_plan.layers[k].kind}{'*' if k in shared else ''}:{k[:8]}" for k in platform.chain
         )) for platform in v.platform_chains)
         platforms = "\n".join(v.platforms) + ("\n(one index)" if v.multi_platform else "")
+        if not v.compression.is_gzip:  # gzip, what every engine reads, goes without saying
+            platforms += f"\n{v.compression.spec} layers"
         table.add_row(safe_markup(v.id), "\n".join(safe_markup(t) for t in v.tags), platforms, chains)
     stdout.print(table)
     stdout.print(f"{len(the_plan.layers)} distinct layers for {the_plan.chain_length_total()} layer uses; "

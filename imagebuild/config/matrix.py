@@ -15,6 +15,8 @@ from typing import Any
 
 from imagebuild.config.support import DEFAULT_PLATFORM, PLATFORMS, CudaPair, SupportTable, load_support_table
 from imagebuild.core.source import Document, PathKey, Reader, known_list, load_document, suggest
+from imagebuild.oci.compression import DEFAULT as DEFAULT_COMPRESSION
+from imagebuild.oci.compression import Compression, parse_compression
 
 SCHEMA_VERSION = 1
 AXES = ("os", "cuda", "python", "paddle")
@@ -156,6 +158,9 @@ class Combination:
     # image index of them). Not an axis: every platform of a variant shares its tags.
     platforms: tuple[str, ...] = (DEFAULT_PLATFORM,)
     platforms_origin: PathKey = ()  # where the platforms were given, for error lines
+    # How the release image's layers are pushed (the lower layers stay gzip: BuildKit's cache follows
+    # their blobs). Part of the release layer's content key when not gzip.
+    compression: Compression = DEFAULT_COMPRESSION
 
     @property
     def device(self) -> str:
@@ -211,7 +216,7 @@ def _display(path: str | Path) -> str:
 
 TOP_LEVEL = ("schema", "name", "registry", "project", "repository", "cache_repository", "source",
              "labels", "secrets", "user", "setuid_allowlist", "os", "cuda", "matrix", "tags",
-             "layers", "extra_layers", "allow_unsupported", "smoke", "platforms")
+             "layers", "extra_layers", "allow_unsupported", "smoke", "platforms", "compression")
 SMOKE_ALL = "all"  # the `smoke` key whose tests run in every variant
 
 
@@ -251,7 +256,9 @@ class MatrixParser:
         tags = self._tags(top["tags"], ("tags",))
         allowed = self._allow_unsupported(top.get("allow_unsupported", []), ("allow_unsupported",))
         platforms = self._platforms_by_device(top.get("platforms", {}), ("platforms",))
-        combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs, platforms)
+        compression = self._compression(top["compression"], ("compression",)) if "compression" in top \
+            else DEFAULT_COMPRESSION
+        combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs, platforms, compression)
         self._check_extra_layers_apply(extra, combos)
         self._check_support(combos, cuda_specs, allowed)
         return Matrix(
@@ -301,6 +308,13 @@ class MatrixParser:
         if not _PYTHON.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not a Python version like 3.11")
         return text
+
+    def _compression(self, value: Any, path: PathKey) -> Compression:
+        text = self._line(value, path)
+        try:
+            return parse_compression(text)
+        except ValueError as exc:
+            raise self.r.error(path, str(exc)) from None
 
     def _line(self, value: Any, path: PathKey, non_empty: bool = True,
               hint: str = "a value written into a Dockerfile must be one line") -> str:
@@ -661,8 +675,8 @@ class MatrixParser:
         return out
 
     def _expand(self, value: Any, path: PathKey, os_specs: dict[str, OSSpec],
-                cuda_specs: dict[str, CudaSpec],
-                platforms: dict[str, tuple[tuple[str, ...], PathKey]]) -> list[Combination]:
+                cuda_specs: dict[str, CudaSpec], platforms: dict[str, tuple[tuple[str, ...], PathKey]],
+                compression: Compression = DEFAULT_COMPRESSION) -> list[Combination]:
         matrix = self.r.mapping(value, path, allowed=AXES + ("exclude", "include"), required=AXES)
         axes = {axis: self._axis_values(matrix, path, axis, os_specs, cuda_specs) for axis in AXES}
         product = 1
@@ -694,7 +708,7 @@ class MatrixParser:
         added: list[_Cell] = []
         for i, entry in enumerate(self.r.sequence(matrix.get("include", []), path + ("include",))):
             p = path + ("include", i)
-            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels", "smoke", "platforms"))
+            entry = self.r.mapping(entry, p, allowed=AXES + ("tags", "labels", "smoke", "platforms", "compression"))
             axis_part = {a: self._axis_value(a, entry[a], p + (a,), os_specs, cuda_specs)
                          for a in AXES if a in entry}
             extras: dict[str, Any] = {}
@@ -708,6 +722,8 @@ class MatrixParser:
             if "platforms" in entry:
                 extras["platforms"] = self._platform_list(entry["platforms"], p + ("platforms",))
                 extras["platforms_origin"] = p + ("platforms",)
+            if "compression" in entry:
+                extras["compression"] = self._compression(entry["compression"], p + ("compression",))
             # GitHub semantics: extend every original combination it does not contradict...
             matched = [c for c in combos if all(c.axes[a] == v for a, v in axis_part.items())]
             if matched:
@@ -733,7 +749,8 @@ class MatrixParser:
                 tags=c.extras.get("tags"), labels=c.extras.get("labels", ()), origin=c.origin,
                 tags_origin=c.extras.get("tags_origin", ()), smoke=c.extras.get("smoke", ()),
                 platforms=c.extras.get("platforms", device_platforms),
-                platforms_origin=c.extras.get("platforms_origin", device_origin)))
+                platforms_origin=c.extras.get("platforms_origin", device_origin),
+                compression=c.extras.get("compression", compression)))
         return out
 
     def _check_extra_layers_apply(self, extra: tuple[ExtraLayer, ...], combos: list[Combination]) -> None:

@@ -588,6 +588,9 @@ class VariantRecord(_StatusField):
     # With two or more platforms `digest` names an OCI image index, and these are its children, in
     # `platforms` order; empty for a single-platform variant (its digest is that platform's image).
     children: list[ChildImage] = field(default_factory=list)
+    # How the release image's layers were pushed (oci/compression.py's spec): "gzip" (Docker schema 2,
+    # what every engine reads; also in reports written before it was recorded) or "zstd:<level>" (OCI).
+    compression: str = "gzip"
 
     @property
     def multi_platform(self) -> bool:

@@ -5,12 +5,15 @@ repository of its own, so nothing here touches what other tests or people pushed
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -20,21 +23,32 @@ import pytest
 
 from imagebuild.build.layerstore import EngineStorage
 from imagebuild.build.publish import (
+    DOCKER_CONFIG,
     DOCKER_LAYER,
     DOCKER_MANIFEST,
+    OCI_CONFIG,
+    OCI_LAYER_ZSTD,
+    OCI_MANIFEST,
     SAVE,
     STORAGE,
+    Descriptor,
     chain_ids,
     legacy_layer_ids,
     publish,
+    schema2_manifest,
+    sha256_digest,
+    twin_tag,
 )
 from imagebuild.core.runner import docker_cli
 from imagebuild.oci.client import ImageRef
+from imagebuild.oci.compression import DEFAULT as GZIP
+from imagebuild.oci.compression import Compression
 
 from .conftest import STAGING, unique
 
 BASE = f"{STAGING}/imagebuild/debian:12"
 CRANE = "/opt/imagebuild-tools/bin/crane"
+ZSTD = Compression("zstd", 3)
 
 
 def _build(tmp_path: Path, name: str, dockerfile: str, tag: str, args: dict[str, str] | None = None) -> str:
@@ -279,3 +293,189 @@ def test_an_image_that_adds_no_layer_uploads_only_its_config(engine, tmp_path, r
         assert pushed.steps.get("compress_s", 0.0) == 0.0
     finally:
         engine.images.remove(labelled, force=True)
+
+
+# --- zstd (a release image's opt-in compression) ------------------------------------------------------
+
+
+def _manifest(repository: str, reference: str) -> tuple[bytes, str]:
+    served = httpx.get(f"http://{STAGING}/v2/{repository}/manifests/{reference}",
+                       headers={"Accept": f"{OCI_MANIFEST}, {DOCKER_MANIFEST}"})
+    assert served.status_code == 200, served.text
+    return served.content, served.headers["content-type"]
+
+
+def _blob(repository: str, digest: str) -> bytes:
+    served = httpx.get(f"http://{STAGING}/v2/{repository}/blobs/{digest}", follow_redirects=True, timeout=120)
+    assert served.status_code == 200
+    return served.content
+
+
+@pytest.fixture
+def zstd_child(engine, tmp_path, repository, parent_image):
+    """(the gzip parent's ref by digest, a child image built FROM it that adds one layer)."""
+    parent = publish(parent_image, ImageRef.parse(parent_image), _base(engine), spool=tmp_path)
+    ref = ImageRef.parse(parent_image)
+    parent_ref = f"{ref.registry}/{ref.repository}@{parent.digest}"
+    child = _build(tmp_path, "zstd-child", f"ARG PARENT\nFROM ${{PARENT}}\n"
+                   f"RUN head -c 2000000 /dev/urandom > /child && echo {uuid.uuid4().hex} > /child-id\n",
+                   f"{ref.registry}/{ref.repository}:child", {"PARENT": parent_ref})
+    yield parent_ref, child
+    with contextlib.suppress(docker.errors.ImageNotFound):  # a test may have removed it
+        engine.images.remove(child, force=True)
+
+
+def test_a_zstd_push_is_an_oci_image_of_zstd_blobs_that_decompress_to_the_configs_diff_ids(
+        engine, tmp_path, repository, zstd_child):
+    import zstandard
+
+    parent_ref, child = zstd_child
+    uploads: list[str] = []
+    target = ImageRef.parse(f"{STAGING}/{repository}:child-zstd")
+    pushed = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, event_hooks=_uploads(uploads),
+                     compression=ZSTD)
+    assert pushed.compression == "zstd:3" and pushed.twin == f"{twin_tag(parent_ref.split('@')[1], ZSTD)} put"
+    # Every layer is new as zstd (the base's and the parent's too), and the config.
+    assert len(uploads) == pushed.uploaded == 5
+
+    raw, media_type = _manifest(repository, pushed.digest)
+    manifest = json.loads(raw)
+    assert media_type == manifest["mediaType"] == OCI_MANIFEST
+    assert manifest["config"]["mediaType"] == OCI_CONFIG
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {OCI_LAYER_ZSTD}
+    config_raw = _blob(repository, manifest["config"]["digest"])
+    assert sha256_digest(config_raw) == manifest["config"]["digest"] == engine.images.get(child).id
+    assert len(config_raw) == manifest["config"]["size"]
+    diff_ids = json.loads(config_raw)["rootfs"]["diff_ids"]
+    assert len(diff_ids) == len(manifest["layers"]) == 4
+    for layer, diff_id in zip(manifest["layers"], diff_ids):
+        blob = _blob(repository, layer["digest"])
+        assert (sha256_digest(blob), len(blob)) == (layer["digest"], layer["size"])
+        tar = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
+        assert sha256_digest(tar) == diff_id
+
+    # The twin: the parent's very config over the same zstd blobs as the image's lower layers.
+    twin = json.loads(_manifest(repository, twin_tag(parent_ref.split("@")[1], ZSTD))[0])
+    parent = json.loads(_manifest(repository, parent_ref.split("@")[1])[0])
+    assert twin["config"]["digest"] == parent["config"]["digest"]
+    assert twin["layers"] == manifest["layers"][:-1]
+    # (`crane validate` is no check here: crane 0.22 gunzips every layer it validates.)
+
+
+def test_a_rerun_uploads_nothing_and_a_sibling_compresses_only_its_own_layer(engine, tmp_path, repository,
+                                                                            zstd_child):
+    parent_ref, child = zstd_child
+    target = ImageRef.parse(f"{STAGING}/{repository}:child-zstd")
+    first = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, compression=ZSTD)
+    uploads: list[str] = []
+    again = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, event_hooks=_uploads(uploads),
+                    compression=ZSTD)
+    assert again.digest == first.digest and uploads == [] and again.present == 2
+    assert again.twin == f"{twin_tag(parent_ref.split('@')[1], ZSTD)} reused"
+
+    sibling = _build(tmp_path, "zstd-sibling", f"ARG PARENT\nFROM ${{PARENT}}\nRUN echo {uuid.uuid4().hex} > /s\n",
+                     f"{STAGING}/{repository}:sibling", {"PARENT": parent_ref})
+    try:
+        pushed = publish(sibling, ImageRef.parse(f"{sibling}-zstd"), ImageRef.parse(parent_ref), spool=tmp_path,
+                         event_hooks=_uploads(uploads), compression=ZSTD)
+        assert len(uploads) == pushed.uploaded == 2  # its own layer and its config: the twin lends the rest
+        lower = json.loads(_manifest(repository, first.digest)[0])["layers"][:-1]
+        assert json.loads(_manifest(repository, pushed.digest)[0])["layers"][:-1] == lower
+    finally:
+        engine.images.remove(sibling, force=True)
+
+
+def test_a_twin_that_does_not_check_out_is_replaced_not_used(engine, tmp_path, repository, zstd_child):
+    parent_ref, child = zstd_child
+    target = ImageRef.parse(f"{STAGING}/{repository}:child-zstd")
+    good = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, compression=ZSTD)
+    tag = twin_tag(parent_ref.split("@")[1], ZSTD)
+    twin = json.loads(_manifest(repository, tag)[0])
+    twin["layers"][0]["size"] += 1  # a registry's word on a blob's size is checked against the registry
+    put = httpx.put(f"http://{STAGING}/v2/{repository}/manifests/{tag}", content=json.dumps(twin).encode(),
+                    headers={"Content-Type": OCI_MANIFEST})
+    assert put.status_code == 201, put.text
+    again = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, compression=ZSTD)
+    assert again.digest == good.digest and again.twin == f"{tag} put"
+    assert any(f"zstd twin {tag} not used" in note and "not" in note for note in again.notes)
+    assert json.loads(_manifest(repository, tag)[0])["layers"] == json.loads(_manifest(repository, good.digest)[0])[
+        "layers"][:-1]
+
+
+def test_a_gzip_push_of_the_same_image_is_the_schema_2_image_it_always_was(engine, tmp_path, repository,
+                                                                          zstd_child):
+    parent_ref, child = zstd_child
+    publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
+            spool=tmp_path, compression=ZSTD)
+    default = publish(child, ImageRef.parse(child), ImageRef.parse(parent_ref), spool=tmp_path)
+    gzip = publish(child, ImageRef.parse(child), ImageRef.parse(parent_ref), spool=tmp_path, compression=GZIP)
+    assert gzip.digest == default.digest and gzip.twin is None and gzip.compression == "gzip"
+    raw, media_type = _manifest(repository, gzip.digest)
+    manifest = json.loads(raw)
+    assert media_type == DOCKER_MANIFEST
+    parent = json.loads(_manifest(repository, parent_ref.split("@")[1])[0])
+    assert manifest["layers"][:-1] == parent["layers"]  # the parent's gzip blobs, as they are
+    layers = [Descriptor(layer["mediaType"], layer["digest"], layer["size"]) for layer in manifest["layers"]]
+    config = Descriptor(DOCKER_CONFIG, manifest["config"]["digest"], manifest["config"]["size"])
+    assert raw == schema2_manifest(config, layers) and {d.media_type for d in layers} == {DOCKER_LAYER}
+
+
+def test_containerd_pulls_and_unpacks_a_zstd_image(engine, tmp_path, repository, zstd_child):
+    """containerd 1.6 (the nodes' runtime here) reads zstd; its unpack checks each layer's diff_id."""
+    from bench.bench_time_to_ready import FreshContainerd
+
+    parent_ref, child = zstd_child
+    pushed = publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
+                     spool=tmp_path, compression=ZSTD)
+    node = FreshContainerd(Path(tempfile.gettempdir()))  # its own folder there: a socket path has 104 bytes
+    try:
+        ref = f"{STAGING}/{repository}@{pushed.digest}"
+        pulled = node.ctr("images", "pull", "--plain-http", ref, timeout=300)
+        assert pulled.returncode == 0, pulled.stderr
+        made = node.ctr("containers", "create", ref, "zstd-e2e", timeout=120)
+        assert made.returncode == 0, made.stderr
+        assert node.ctr("snapshots", "ls").stdout.count("Committed") == 4
+    finally:
+        node.stop()
+
+
+
+def test_docker_20_10_runs_a_zstd_image_by_digest_where_it_holds_its_config_and_smoke_takes_it(
+        engine, tmp_path, repository, zstd_child):
+    """Docker 20.10 (this host's engine) decompresses gzip only, but a pull whose config (the image id) the
+    engine holds fetches no layer: the build host, where the release image was built, runs the zstd
+    image, smoke included. Elsewhere it cannot, and says so."""
+    from imagebuild.checks.smoke_run import RunOptions, SmokeRunner
+
+    parent_ref, child = zstd_child
+    pushed = publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
+                     spool=tmp_path, compression=ZSTD)
+    ref = f"{STAGING}/{repository}@{pushed.digest}"
+    image, _ = SmokeRunner(engine, RunOptions(), tmp_path / "out", tmp_path).pull(ref)
+    assert image.id == engine.images.get(child).id
+    assert engine.containers.run(ref, ["cat", "/child-id"], remove=True).strip()
+    if int(engine.version()["Version"].split(".")[0]) < 23:
+        engine.images.remove(image.id, force=True)  # the config (and the digest's name) gone with it
+        pulled = subprocess.run([docker_cli(), "pull", ref], capture_output=True, text=True, timeout=300, check=False)
+        assert pulled.returncode != 0 and "invalid tar header" in pulled.stderr, pulled.stdout + pulled.stderr
+
+
+def test_a_zstd_image_and_its_blobs_are_copied_into_a_region_registry_as_they_are(engine, tmp_path, repository,
+                                                                                  zstd_child):
+    from imagebuild.oci.client import Registry
+    from imagebuild.oci.copy import copy_image
+
+    from .conftest import REGIONS
+
+    parent_ref, child = zstd_child
+    pushed = publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
+                     spool=tmp_path, compression=ZSTD)
+    region = REGIONS["eu-west"]
+    with Registry(STAGING) as source, Registry(region) as target:
+        copied = copy_image(source, repository, pushed.digest, target, repository, tags=["zstd"])
+        assert copied.digest == pushed.digest and copied.media_type == OCI_MANIFEST
+        raw, media_type, digest = target.get_manifest(repository, "zstd")
+        assert (digest, media_type) == (pushed.digest, OCI_MANIFEST)
+        for layer in json.loads(raw)["layers"]:
+            assert layer["mediaType"] == OCI_LAYER_ZSTD
+            assert target.blob_size(repository, layer["digest"]) == layer["size"]
