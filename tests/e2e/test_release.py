@@ -182,3 +182,44 @@ def test_an_interrupted_release_exits_130_and_a_rerun_finishes_the_job(released,
     again = release(workdir, released.cache_dir, released.password, *released.args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.json()["status"] == "released"
+
+
+def test_a_zstd_variant_goes_through_every_stage_and_is_pushed_signed_with_zstd_layers(
+        built_example, trivy, trivy_db, cosign, cosign_keys, tmp_path):
+    """The whole chain on a zstd release (`compression: zstd`): only its release layer is new (the layers below
+    are the example's gzip ones, built FROM as before); smoke runs it on this Docker 20.10 engine, which holds
+    its config; Trivy scans and cosign signs the zstd digest; what is pushed verifies and has zstd layers."""
+    from imagebuild.oci.client import Registry
+
+    from .conftest import copy_matrix
+
+    matrix = copy_matrix(tmp_path, lambda data: data.update(compression="zstd"))
+    workdir = tmp_path / "work"
+    push_to = f"{STAGING}/imagebuild-example/{unique('release-zstd')}"  # a repository the example's trust covers
+    run = imagebuild("release", "--matrix", str(matrix), "--workdir", str(workdir), "--offline",
+                     "--only", "id=paddle3.3.1-cpu-py3.11-debian12",
+                     "--cache-dir", str(trivy_cache_with_db(trivy_db, tmp_path / "trivy")), "--revision", REVISION,
+                     "--policy", str(EXAMPLE_POLICY), "--key", str(cosign_keys["key"]), "--push-to", push_to,
+                     "--trust", str(EXAMPLE.parent / "trust.yaml"), "--format", "json",
+                     env={"COSIGN_PASSWORD": cosign_keys["password"], "SOURCE_DATE_EPOCH": COMMIT_TIME}, timeout=3600)
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    variant = stage_records(workdir)["paddle3.3.1-cpu-py3.11-debian12"]
+    assert variant["compression"] == "zstd:3"
+    for stage in ("smoke", "scan", "gate", "sign", "push"):
+        assert variant["stages"][stage]["digest"] == variant["digest"], (stage, variant["stages"][stage])
+    for stage in ("smoke", "gate", "sign"):
+        assert variant["stages"][stage]["status"] == "passed", (stage, variant["stages"][stage])
+    built = {layer["path"]: layer["status"] for layer in json.loads((workdir / "build-report.json").read_text())["layers"]}
+    # Below the release layer, the example's gzip layers are reused as they are: zstd rebuilds nothing.
+    assert {path for path, status in built.items() if status == "built"} <= {"release/paddle3.3.1-cpu-py3.11-debian12"}
+    assert len(built) > 1 and "release/paddle3.3.1-cpu-py3.11-debian12" in built
+
+    host, _, repository = variant["image"].partition("/")
+    with Registry(host) as registry:
+        raw, media_type, _ = registry.get_manifest(repository.split("@")[0], variant["digest"])
+    manifest = json.loads(raw)
+    assert media_type == "application/vnd.oci.image.manifest.v1+json"
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {"application/vnd.oci.image.layer.v1.tar+zstd"}
+    pushed = variant["stages"]["push"]["target"]
+    verified = imagebuild("verify", "--trust", str(EXAMPLE.parent / "trust.yaml"), f"{pushed}@{variant['digest']}")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
