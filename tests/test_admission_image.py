@@ -74,6 +74,9 @@ def test_every_distribution_the_webhook_imports_is_pinned_and_the_build_side_is_
     imported = distributions_the_webhook_imports()
     # cryptography tries bcrypt for OpenSSH keys when it is there (the tests install it); the webhook reads none.
     imported.discard("bcrypt")
+    # httpx tries zstandard (zstd Content-Encoding) when it is there (the build side installs it for zstd layers);
+    # registries do not answer in zstd, so the webhook image goes without it.
+    imported.discard("zstandard")
     assert imported <= set(PINNED), f"imported but not pinned: {sorted(imported - set(PINNED))}"
     assert {"click", "pyyaml", "httpx", "cryptography", "h11"} <= imported
     assert not {"docker", "jinja2", "rich", "isal"} & set(PINNED)
