@@ -26,7 +26,9 @@ BuildKit's cache follows their blobs, so a zstd release needs its parent's layer
 Recompressing gigabytes for every release would cost more than zstd saves, so the first zstd
 push over a parent also puts a zstd twin of the parent (same config, same diff_ids) in the target
 repository, tagged by the parent's digest (`twin_tag`); later pushes over that parent find it,
-check every descriptor against the parent and the registry, and compress only their own layers.
+check every descriptor against the parent and read every blob back (its bytes must hash to its
+digest and, decompressed, to the parent's diff_id: a tag can be moved by anyone who can push),
+and compress only their own layers.
 """
 from __future__ import annotations
 
@@ -470,10 +472,9 @@ def _zstd_twin(registry: Registry, repository: str, wanted: _TwinWanted, blobs: 
         twin = None
     problem = twin_problem(twin, media_type, wanted.config, wanted.diff_ids, compression) \
         if isinstance(twin, dict) else "it is not a JSON object"
-    for layer in twin["layers"] if problem is None else []:
-        size = registry.blob_size(repository, layer["digest"])
-        if size != layer["size"]:
-            problem = f"blob {layer['digest']} is {'missing' if size is None else f'{size} bytes'}, not {layer['size']}"
+    for layer, diff_id in zip(twin["layers"], wanted.diff_ids) if problem is None else []:
+        problem = _twin_layer_problem(registry, repository, layer, diff_id)
+        if problem is not None:
             break
     if problem is not None:
         return _Lent(blobs, twin=wanted, notes=[f"zstd twin {wanted.tag} not used: {problem}; "
@@ -481,6 +482,38 @@ def _zstd_twin(registry: Registry, repository: str, wanted: _TwinWanted, blobs: 
     lent = {d: Descriptor(compression.layer_media_type, layer["digest"], layer["size"])
             for d, layer in zip(wanted.diff_ids, twin["layers"])}
     return _Lent(lent | blobs, twin_used=wanted.tag)
+
+
+def _twin_layer_problem(registry: Registry, repository: str, layer: dict[str, Any], diff_id: str) -> str | None:
+    """Why one of a twin's blobs cannot stand for the parent's layer `diff_id` (None: it can).
+
+    The twin is found by a tag, which anyone who can push to the repository can move, so each blob
+    is read whole: its bytes must hash to the descriptor's digest and, decompressed, to the parent's
+    diff_id. Reading and decompressing costs a fraction of compressing the layer again.
+    """
+    import zstandard  # only a zstd push needs it
+
+    size = registry.blob_size(repository, layer["digest"])
+    if size != layer["size"]:
+        return f"blob {layer['digest']} is {'missing' if size is None else f'{size} bytes'}, not {layer['size']}"
+    blob, tar = hashlib.sha256(), hashlib.sha256()
+    read = 0
+    decompressor = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True)
+    try:
+        with registry.open_blob(repository, layer["digest"]) as response:
+            for chunk in response.iter_bytes(CHUNK):
+                read += len(chunk)
+                if read > layer["size"]:
+                    return f"blob {layer['digest']} sends more than its {layer['size']} bytes"
+                blob.update(chunk)
+                tar.update(decompressor.decompress(chunk))
+    except zstandard.ZstdError as exc:
+        return f"blob {layer['digest']} is not zstd: {str(exc)[:120]}"
+    if "sha256:" + blob.hexdigest() != layer["digest"]:
+        return f"blob {layer['digest']}'s bytes hash to sha256:{blob.hexdigest()}"
+    if "sha256:" + tar.hexdigest() != diff_id:
+        return f"blob {layer['digest']} decompresses to sha256:{tar.hexdigest()}, not the parent's {diff_id}"
+    return None
 
 
 def _put_twin(registry: Registry, repository: str, wanted: _TwinWanted, diff_ids: list[str],

@@ -402,6 +402,27 @@ def test_a_twin_that_does_not_check_out_is_replaced_not_used(engine, tmp_path, r
         "layers"][:-1]
 
 
+def test_a_twin_whose_blob_is_another_layer_of_the_right_size_is_refused_by_its_content(
+        engine, tmp_path, repository, zstd_child):
+    """Whoever can push to the repository can move the twin's tag: a twin naming a real blob of the repository
+    (digest and size consistent with the registry) that is not the parent's layer is caught by decompressing it."""
+    parent_ref, child = zstd_child
+    target = ImageRef.parse(f"{STAGING}/{repository}:child-zstd")
+    good = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, compression=ZSTD)
+    tag = twin_tag(parent_ref.split("@")[1], ZSTD)
+    twin = json.loads(_manifest(repository, tag)[0])
+    forged_layer = json.loads(_manifest(repository, good.digest)[0])["layers"][-1]  # the child's own layer
+    twin["layers"][0] = forged_layer
+    put = httpx.put(f"http://{STAGING}/v2/{repository}/manifests/{tag}", content=json.dumps(twin).encode(),
+                    headers={"Content-Type": OCI_MANIFEST})
+    assert put.status_code == 201, put.text
+    again = publish(child, target, ImageRef.parse(parent_ref), spool=tmp_path, compression=ZSTD)
+    assert again.digest == good.digest and again.twin == f"{tag} put"
+    assert any(f"zstd twin {tag} not used" in note and f"blob {forged_layer['digest']} decompresses to" in note
+               for note in again.notes), again.notes
+    assert json.loads(_manifest(repository, good.digest)[0])["layers"][0] != forged_layer
+
+
 def test_a_gzip_push_of_the_same_image_is_the_schema_2_image_it_always_was(engine, tmp_path, repository,
                                                                           zstd_child):
     parent_ref, child = zstd_child
