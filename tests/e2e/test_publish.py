@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -443,12 +442,12 @@ def test_a_gzip_push_of_the_same_image_is_the_schema_2_image_it_always_was(engin
 
 def test_containerd_pulls_and_unpacks_a_zstd_image(engine, tmp_path, repository, zstd_child):
     """containerd 1.6 (the nodes' runtime here) reads zstd; its unpack checks each layer's diff_id."""
-    from bench.bench_time_to_ready import FreshContainerd
+    from .nodes import ContainerdNode
 
     parent_ref, child = zstd_child
     pushed = publish(child, ImageRef.parse(f"{STAGING}/{repository}:child-zstd"), ImageRef.parse(parent_ref),
                      spool=tmp_path, compression=ZSTD)
-    node = FreshContainerd(Path(tempfile.gettempdir()))  # its own folder there: a socket path has 104 bytes
+    node = ContainerdNode(tmp_path, "zstd-e2e")
     try:
         ref = f"{STAGING}/{repository}@{pushed.digest}"
         pulled = node.ctr("images", "pull", "--plain-http", ref, timeout=300)
