@@ -37,7 +37,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import tarfile
 import tempfile
 import threading
@@ -50,6 +49,7 @@ from typing import IO, Any
 
 from imagebuild.build.layerstore import EngineStorage, StorageUnreadable
 from imagebuild.core.errors import ImagebuildError
+from imagebuild.oci import names
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 from imagebuild.oci.compression import DEFAULT as GZIP
 from imagebuild.oci.compression import (  # noqa: F401 (DOCKER_*, OCI_*: publish's own names for them)
@@ -182,9 +182,6 @@ def twin_tag(parent_digest: str, compression: Compression) -> str:
     return f"zstd{compression.level}-{parent_digest.partition(':')[2]}"
 
 
-_DIGEST_TEXT = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
 def twin_problem(twin: dict[str, Any], media_type: str, config: Descriptor, diff_ids: list[str],
                  compression: Compression) -> str | None:
     """Why a registry's twin manifest cannot stand for the parent (None: its layers may be used).
@@ -205,7 +202,7 @@ def twin_problem(twin: dict[str, Any], media_type: str, config: Descriptor, diff
         if not isinstance(layer, dict) or layer.get("mediaType") != compression.layer_media_type:
             return f"layer {index} is not {compression.layer_media_type}"
         size = layer.get("size")
-        if not isinstance(layer.get("digest"), str) or not _DIGEST_TEXT.fullmatch(layer["digest"]) \
+        if not isinstance(layer.get("digest"), str) or not names.SHA256_DIGEST.fullmatch(layer["digest"]) \
                 or not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             return f"layer {index} has no well-formed digest and size"
     return None

@@ -31,6 +31,8 @@ import httpx
 from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.oci import reference
 from imagebuild.oci.auth import AuthDenied, CredentialError, Credentials, DockerConfig, RegistryAuth, credentials_for
+from imagebuild.oci.compression import DOCKER_MANIFEST as DOCKER_MANIFEST  # the one definition, re-exported
+from imagebuild.oci.compression import OCI_MANIFEST as OCI_MANIFEST
 from imagebuild.oci.names import (
     BadName,
     check_descriptor,
@@ -45,23 +47,15 @@ from imagebuild.oci.names import (
 )
 from imagebuild.oci.retry import RetryingTransport, RetryLog, RetryPolicy, tls_failure
 
-MANIFEST_TYPES = ", ".join([
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.oci.image.index.v1+json",
-    "application/vnd.docker.distribution.manifest.v2+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-])
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_MANIFEST_LIST})
+MANIFEST_TYPES = ", ".join([OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_MANIFEST_LIST])
 
 
 DOCKER_HUB = reference.DOCKER_HUB
 # Distribution refuses to store a manifest over 4 MiB; nothing larger is read from a registry.
 MAX_MANIFEST_BYTES = 4 << 20
-
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_MANIFEST_LIST})
 
 
 class RegistryError(ImagebuildError):
