@@ -30,9 +30,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "trust": frozenset({"core", "oci", "config", "checks"}),
     "release": frozenset({"core", "oci", "config", "build", "checks", "trust"}),
     "rollout": frozenset({"core", "oci", "config", "checks", "trust", "kube"}),
+    "retention": frozenset({"core", "oci", "config", "rollout"}),
     "admission": frozenset({"core", "oci", "config", "trust", "rollout"}),
-    "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "admission",
-                      "kube"}),
+    "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "retention",
+                      "admission", "kube"}),
 }
 # Function-level imports: anywhere in cli/ (a command loads its stage when it runs, so that `imagebuild
 # --help` starts without docker, jinja2 or httpx), and below it only of the modules named here, which

@@ -6,7 +6,7 @@ error); 2 bad input (malformed matrix, policy or release file; bad options); 3 a
 is missing; 130 interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (a CI cancel). See
 common.reports_input_errors.
 
-May import: core, oci, config, build, checks, trust, release, rollout, admission, kube. Nothing else imports
+May import: core, oci, config, build, checks, trust, release, rollout, retention, admission, kube. Nothing else imports
 cli.
 """
 from __future__ import annotations
@@ -95,6 +95,10 @@ COMMANDS: dict[str, LazyCommand] = {
     "quarantine": LazyCommand(
         "quarantine_command:quarantine_command",
         "Quarantine IMAGE by hand, lift it with --clear, or list what is quarantined (no IMAGE)."),
+    "gc": LazyCommand(
+        "gc_command:gc_group",
+        "Delete what no channel, rollback, quarantine or kept release needs, from every region and the state "
+        "repository."),
     "admission": LazyCommand(
         "admission_command:admission_group",
         "The validating admission webhook: Kubernetes asks it about every Pod and Pod template."),
