@@ -30,7 +30,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "trust": frozenset({"core", "oci", "config", "checks"}),
     "release": frozenset({"core", "oci", "config", "build", "checks", "trust"}),
     "rollout": frozenset({"core", "oci", "config", "checks", "trust", "kube"}),
-    "retention": frozenset({"core", "oci", "config", "rollout"}),
+    "retention": frozenset({"core", "oci", "config", "trust", "rollout"}),
     "admission": frozenset({"core", "oci", "config", "trust", "rollout"}),
     "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "retention",
                       "admission", "kube"}),

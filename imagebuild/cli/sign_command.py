@@ -49,12 +49,22 @@ from imagebuild.trust import sign as signing
               help="Reach this registry over plain http too (loopback registries always are).")
 @click.option("--timeout", "timeout_s", type=click.IntRange(10, 3600), default=300, show_default=True,
               help="Seconds per cosign command.")
+@click.option("--resign", is_flag=True,
+              help="Key rotation: sign again, with --key, every live digest of --release's regions (what `gc` keeps) "
+                   "that verifies now under the trust file, with its attestations.")
+@click.option("--release", "release_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --resign: the release file whose regions are re-signed.")
+@click.option("--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --resign: the trust file that must accept each image first [default: the release's].")
+@click.option("--image", "extra_images", multiple=True, metavar="REF@DIGEST",
+              help="With --resign: another image to re-sign (a staging candidate), by digest.")
 @format_option("table", "json")
 @reports_input_errors
 def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless: bool, oidc_issuer: str | None,
                  oidc_client_id: str | None, oidc_provider: str | None, identity_token: Path | None,
                  fulcio_url: str | None, rekor_url: str | None, tlog: bool, insecure_registries: tuple[str, ...],
-                 timeout_s: int, output_format: str) -> None:
+                 timeout_s: int, resign: bool, release_path: Path | None, trust_path: Path | None,
+                 extra_images: tuple[str, ...], output_format: str) -> None:
     """Sign each image of the build report by digest with cosign, and attach its attestations.
 
     Only an image whose smoke tests and gate passed on that very digest is signed; any other
@@ -72,10 +82,14 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
       imagebuild sign --key awskms:///alias/imagebuild-release      # a KMS key, passed to cosign as is
       imagebuild sign --key cosign.key --only device=cpu --format json
       imagebuild sign --keyless --oidc-provider github-actions      # CI with Fulcio and Rekor
+      COSIGN_PASSWORD=... imagebuild sign --resign --release release.yaml --key new.key   # key rotation
     """
     selection = Selection.parse(only)
     options = signing_options(key, keyless, oidc_issuer, oidc_client_id, oidc_provider, identity_token,
                               fulcio_url, rekor_url, tlog, insecure_registries, timeout_s)
+    if resign or release_path or trust_path or extra_images:
+        _resign(resign, options, release_path, trust_path, extra_images, workdir, output_format)
+        return
     report_path, report = signing.select_report(workdir)
     variants = selection.choose(report.variants, str(report_path))
     cosign = signing.Cosign.find()
@@ -91,6 +105,46 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
     else:
         print_outcomes(outcomes)
     if any(o.action in ("refused", "failed") for o in outcomes):
+        sys.exit(ExitCode.FAILED)
+
+
+def _resign(resign: bool, options: signing.SignOptions, release_path: Path | None, trust_path: Path | None,
+            extra_images: tuple[str, ...], workdir: Path, output_format: str) -> None:
+    from imagebuild.config.release_file import load_release
+    from imagebuild.config.trust import load_trust_config
+    from imagebuild.oci.client import ImageRef
+    from imagebuild.retention import rotation
+    from imagebuild.retention.gc import GcOptions
+
+    if not resign:
+        raise InputError("--resign", None, "", "--release, --trust and --image are for re-signing: add --resign")
+    if release_path is None:
+        raise InputError("--release", None, "", "missing: --resign re-signs the live images of a release's regions")
+    if options.keyless is not None:
+        raise InputError("--keyless", None, "", "a rotation re-signs with a key (--key); keyless has no key to rotate")
+    for image in extra_images:
+        try:
+            if ImageRef.parse(image).digest is None:
+                raise ValueError("give it by digest (REF@sha256:...)")
+        except ValueError as exc:
+            raise InputError("--image", None, image, str(exc)) from None
+    config = load_release(release_path)
+    trust = load_trust_config(trust_path or config.trust_path)
+    resigner = rotation.Resigner(trust, options, signing.Cosign.find(), workdir / "resign",
+                                 on_event=lambda line: echo(line, err=True))
+    results = rotation.resign_release(config, resigner, GcOptions(), extra_images)
+    if output_format == "json":
+        click.echo(json.dumps({"release": str(release_path), "trust": str(trust.path),
+                               "images": [r.to_dict() for r in results]}, indent=2))
+    else:
+        table = Table(show_edge=False, pad_edge=False, box=None)
+        for column in ("image", "signature", "attested again", "refused"):
+            table.add_column(column, overflow="fold")
+        for r in results:
+            table.add_row(*safe_cells(r.image, "added" if r.signed else ("-" if r.refused else "already"),
+                                      ", ".join(r.attested) or "-", r.refused or ""))
+        stdout.print(table)
+    if any(r.refused for r in results):
         sys.exit(ExitCode.FAILED)
 
 

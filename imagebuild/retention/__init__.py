@@ -1,5 +1,6 @@
 """Retention: what `imagebuild gc` keeps in the regions and the state repository (`live`, `state`: pure),
-and reading, deleting and the registry's own sweep (`gc`).
+reading, deleting and the registry's own sweep (`gc`), and re-signing what gc keeps with a new key
+(`rotation`).
 
-May import: core, oci, config, rollout.
+May import: core, oci, config, trust, rollout.
 """
