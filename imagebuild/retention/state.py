@@ -19,13 +19,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci import names
 
 FINISHED = frozenset({"completed", "halted", "aborted", "rolled-back"})
 
 
-class RecordUnreadable(ValueError):
-    """A record lacks a field gc relies on, or holds one of the wrong shape."""
+class RecordUnreadable(ImagebuildError):
+    """A record lacks a field gc relies on, or holds one of the wrong shape (gc refuses: exit 1)."""
 
 
 @dataclass(frozen=True)
