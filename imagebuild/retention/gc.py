@@ -51,7 +51,15 @@ from imagebuild.rollout import quarantine
 from imagebuild.rollout.lease import open_lease
 from imagebuild.rollout.plan import ROLLOUT_ID_PATTERN
 from imagebuild.rollout.reconciler import Timing
-from imagebuild.rollout.state import LEASE_TYPE, RECORD_TYPE, StateRefused, StateStore, open_store, region_registry
+from imagebuild.rollout.state import (
+    LEASE_TYPE,
+    MARKER_TYPE,
+    RECORD_TYPE,
+    StateRefused,
+    StateStore,
+    open_store,
+    region_registry,
+)
 
 MAX_MANIFESTS = 200_000  # per repository: a registry that lists more is refused, not followed
 _READERS = 8  # manifests read at once per repository
@@ -181,7 +189,7 @@ def read_state(store: StateStore) -> StateSnapshot:
                                 f"someone's rollback (fix or delete the tag, then run gc again)") from None
         elif tag.startswith(POINTER_PREFIX):
             try:
-                pointer = store.read(tag, None)
+                pointer = store.read(tag, MARKER_TYPE)
             except StateRefused as exc:
                 raise GcRefused(f"{where}:{tag}: {exc}; nothing was deleted") from None
             rollout = (pointer or {}).get("rollout")

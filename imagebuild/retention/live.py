@@ -15,8 +15,11 @@ signature by its tag and a dead child by its own signature tag).
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from imagebuild.oci.copy import cosign_tag
 
 COSIGN_SUFFIXES = ("sig", "att", "sbom")
 # cosign's tags and the referrers fallback tag: the subject's digest, then what hangs off it.
@@ -32,8 +35,7 @@ def cosign_tag_subject(tag: str) -> str | None:
 
 def hanging_tags(digest: str) -> tuple[str, ...]:
     """The tags that hang off `digest`: cosign's three and the referrers fallback tag."""
-    base = digest.replace(":", "-", 1)
-    return (*(f"{base}.{suffix}" for suffix in COSIGN_SUFFIXES), base)
+    return (*(cosign_tag(digest, suffix) for suffix in COSIGN_SUFFIXES), cosign_tag(digest))
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,8 @@ def short(digest: str) -> str:
 def collect(view: RepositoryView, roots: Mapping[str, str]) -> Collection:
     """Judge `view`: `roots` maps digests the rollout state keeps to why. Roots missing from the registry
     keep nothing (and are not an error: a rollback target in one region may never have reached another)."""
-    queue: list[tuple[str, str]] = [(digest, f"tag {tag}") for tag, digest in sorted(view.tags.items())
-                                    if cosign_tag_subject(tag) is None]
+    queue: deque[tuple[str, str]] = deque((digest, f"tag {tag}") for tag, digest in sorted(view.tags.items())
+                                          if cosign_tag_subject(tag) is None)
     queue.extend(sorted(roots.items()))
     by_subject: dict[str, list[str]] = {}
     for manifest in view.manifests.values():
@@ -98,7 +100,7 @@ def collect(view: RepositoryView, roots: Mapping[str, str]) -> Collection:
             by_subject.setdefault(manifest.subject, []).append(manifest.digest)
     live: dict[str, str] = {}
     while queue:
-        digest, why = queue.pop(0)
+        digest, why = queue.popleft()
         if digest in live:
             continue
         live[digest] = why
@@ -135,9 +137,9 @@ def order(view: RepositoryView, dead: Iterable[str]) -> list[str]:
         for child in children:
             above[child] += 1
     ordered: list[str] = []
-    ready = sorted(digest for digest, count in above.items() if count == 0)
+    ready = deque(sorted(digest for digest, count in above.items() if count == 0))
     while ready:
-        digest = ready.pop(0)
+        digest = ready.popleft()
         ordered.append(digest)
         for child in below[digest]:
             above[child] -= 1
