@@ -6,8 +6,8 @@ error); 2 bad input (malformed matrix, policy or release file; bad options); 3 a
 is missing; 130 interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (a CI cancel). See
 common.reports_input_errors.
 
-May import: core, oci, config, build, checks, trust, release, rollout, retention, admission, kube. Nothing else imports
-cli.
+May import: core, oci, config, build, checks, trust, release, rollout, retention, admission, kube, notify. Nothing
+else imports cli.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -20,6 +20,9 @@ from imagebuild.cli.common import (
 from imagebuild.cli.rollout_command import DEFAULT_STATE_DIR, _load, release_option, state_dir_option
 from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
+
+if TYPE_CHECKING:
+    from imagebuild.notify.send import Notifier
 
 
 @click.command("rescan")
@@ -74,10 +77,15 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
         # exits): rescan has always ended such a run with 1, and keeps doing so.
         exc.exit_code = ExitCode.FAILED
         raise
+    notifier = _notifier(config)
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):
             quarantine.audit(state_dir, {"event": "quarantine", "digest": r.digest, "source": "rescan",
                                          "tags": r.tags, "blocking": [b["id"] for b in r.blocking]})
+        if r.status == "quarantined":  # newly: a nightly rescan does not repeat what it told before
+            _tell_quarantined(notifier, config, state_dir, r.digest, {
+                "reason": f"fails the gate ({policy_path})", "source": "rescan", "images": r.tags,
+                "blocking": [b["id"] for b in r.blocking], "problems": r.problems or None})
     if output_format == "json":
         click.echo(json.dumps({"release": str(release_path), "policy": str(policy_path),
                                "images": [r.to_dict() for r in results], "unreachable": unreachable,
@@ -92,6 +100,7 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
              + (" (quarantined: `imagebuild rollout start` refuses them)" if failing else ""))
         for region, why in unreachable.items():
             echo(f"{'UNREACHABLE':18} region {region}: {why} (what it serves was not judged)")
+    notifier.drain()
     if any(r.fails for r in results):
         sys.exit(ExitCode.FAILED)
     if unreachable:
@@ -156,10 +165,34 @@ def quarantine_command(image: str | None, release_path: Path, reason: str | None
             result = {"digest": digest, "action": "quarantined", "record": record}
     finally:
         store.registry.close()
+    notifier = _notifier(config)
+    if result["action"] == "quarantined":
+        _tell_quarantined(notifier, config, state_dir, digest, {"reason": result["record"]["reason"],
+                                                                 "source": "manual", "images": [image]})
     if output_format == "json":
         click.echo(json.dumps(result, indent=2))
     else:
         echo(f"{result['action']}: {digest}")
+    notifier.drain()
+
+
+def _notifier(config: Any) -> Notifier:
+    """release.yaml's `notify:` targets (none: every emit is a no-op)."""
+    from imagebuild.notify.send import Notifier
+
+    return Notifier(config.notify)
+
+
+def _tell_quarantined(notifier: Notifier, config: Any, state_dir: Path, digest: str, facts: dict[str, Any]) -> None:
+    """image.quarantined to the targets; a send that fails is a `notify-failed` line of the local audit log."""
+    from imagebuild.rollout import quarantine
+
+    def failed(host: str, kind: str, why: str) -> None:
+        quarantine.audit(state_dir, {"event": "notify-failed", "kind": kind, "digest": digest, "target": host,
+                                     "detail": why})
+
+    notifier.emit("image.quarantined", "imagebuild/quarantine", digest,
+                  {"digest": digest, "release": str(config.path), **facts}, failed)
 
 
 def _digest(image: str) -> str:

@@ -37,17 +37,25 @@ def _load(release_path: Path) -> Any:
     return load_release(release_path)
 
 
-def _runtime() -> Runtime:
-    """The rollout.Runtime a caller put in click's context object (a test wrapper), else the defaults."""
+def _runtime(config: Any = None) -> Runtime:
+    """The rollout.Runtime a caller put in click's context object (a test wrapper), else the defaults; with
+    release.yaml's `notify:` targets as its notifier unless the caller gave one."""
+    import dataclasses
+
     from imagebuild.rollout.reconciler import Runtime
 
     found = click.get_current_context().find_object(Runtime)
-    return found if found is not None else Runtime()
+    runtime = found if found is not None else Runtime()
+    if runtime.notify is None and config is not None and config.notify:
+        from imagebuild.notify.send import Notifier
+
+        runtime = dataclasses.replace(runtime, notify=Notifier(config.notify))
+    return runtime
 
 
-def _finish(action: Any) -> None:
+def _finish(action: Any, runtime: Runtime | None = None) -> None:
     """Run a rollout action; its exit code ends the command, a RolloutError is one line `error: rollout: ...`
-    and ends it with its own code."""
+    and ends it with its own code. Notifications still in flight get what is left of their timeouts."""
     from imagebuild.rollout.plan import PlanError
     from imagebuild.rollout.state import RolloutError
 
@@ -58,6 +66,9 @@ def _finish(action: Any) -> None:
     except RolloutError as exc:
         click.echo(f"error: rollout: {exc}", err=True)
         sys.exit(exc.exit_code)
+    finally:
+        if runtime is not None and runtime.notify is not None:
+            runtime.notify.drain()
     sys.exit(code)
 
 
@@ -139,12 +150,13 @@ def start_command(release_path: Path, image: str | None, variant_id: str | None,
     if image is not None and "@sha256:" not in image:
         raise InputError("--image", None, "", f"'{image[:100]}' is not by digest (REF@sha256:...)")
     config = _load(release_path)
+    runtime = _runtime(config)
 
     def action() -> int:
         source = image if image is not None else _variant_image(workdir or Path("."), variant_id or "")
-        return rollout.start(config, source, channels, state_dir, _out, _runtime())
+        return rollout.start(config, source, channels, state_dir, _out, runtime)
 
-    _finish(action)
+    _finish(action, runtime)
 
 
 def _rollout_id(rollout_id: str) -> str:
@@ -165,7 +177,8 @@ def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
+    runtime = _runtime(config)
+    _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 
 @rollout_group.command("abort")
@@ -178,7 +191,8 @@ def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
+    runtime = _runtime(config)
+    _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 
 @rollout_group.command("approve")
@@ -209,7 +223,8 @@ def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> No
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out, _runtime()))
+    runtime = _runtime(config)
+    _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 
 @rollout_group.command("status")

@@ -3,9 +3,11 @@
 The file comes from a pull request like the matrix, so it goes through the same hostile-YAML
 loader (imagebuild.core.source) and every problem is one `file:line: key: message` InputError.
 Credentials are named, never given: a Docker config path or an environment variable's name.
+So are a notification target's headers (`notify:`): each value is an environment variable's name.
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,13 @@ _DURATION = re.compile(r"([0-9]{1,7})(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 # Keys that would carry a secret's value; credentials may only point at one.
 _SECRET_KEYS = frozenset({"password", "token", "secret", "auth", "identitytoken", "registrytoken"})
+# What a rollout and a quarantine tell release.yaml's `notify:` targets, in the order the README lists them.
+NOTIFY_EVENTS: tuple[str, ...] = ("rollout.halted", "rollout.aborted", "rollout.rolledback", "rollout.completed", "gate.failed",
+                 "image.quarantined")
+NOTIFY_FORMATS = ("cloudevents", "slack")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+# Headers the sender writes itself: a target's own would contradict the body or the connection.
+_OWN_HEADERS = frozenset({"content-type", "content-length", "host", "transfer-encoding", "connection"})
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,25 @@ class Wave:
 
 
 @dataclass(frozen=True)
+class NotifyTarget:
+    """release.yaml `notify:` entry: where rollout and quarantine events are posted, and how.
+
+    The URL is given as text or, when it is itself a secret (a Slack webhook's path), as the name
+    of the environment variable holding it (`url_env`); header values are always variable names."""
+
+    url: str | None
+    url_env: str | None = None
+    events: tuple[str, ...] = NOTIFY_EVENTS
+    format: str = "cloudevents"
+    timeout_s: float = 5.0  # everything one event may cost per target: every try and every wait between
+    ca_file: Path | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # (header name, environment variable holding its value)
+
+    def wants(self, kind: str) -> bool:
+        return kind in self.events
+
+
+@dataclass(frozen=True)
 class ReleaseConfig:
     path: Path
     trust_path: Path
@@ -147,6 +175,7 @@ class ReleaseConfig:
     channels: tuple[str, ...]
     waves: tuple[Wave, ...]
     lease_cluster: LeaseCluster | None = None  # None: the lease is a tag of the state repository
+    notify: tuple[NotifyTarget, ...] = ()
 
     def region(self, name: str) -> Region:
         for region in self.regions:
@@ -167,6 +196,27 @@ def parse_duration(text: str) -> float | None:
     if not match:
         return None
     return int(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def notify_url_problem(url: str) -> str | None:
+    """Why `url` may not receive notifications, or None: https, or http to a loopback address only (what
+    goes out may name digests and regions, and the headers carry tokens); no credentials in it."""
+    if not re.fullmatch(r"https?://[^\s/?#]+([/?#]\S*)?", url):
+        return "is not an http(s) URL"
+    scheme, _, rest = url.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in authority:
+        return "credentials in a URL are not allowed (they would be logged)"
+    if scheme == "https":
+        return None
+    host = authority.rsplit(":", 1)[0] if not authority.startswith("[") else authority[1:].split("]", 1)[0]
+    if host == "localhost":
+        return None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return None if loopback else "must be https (http only to a loopback address)"
 
 
 def load_release(path: Path) -> ReleaseConfig:
@@ -219,7 +269,7 @@ def _shown(value: Any) -> str:
 def parse_release(doc: Document, path: Path) -> ReleaseConfig:
     r = _ReleaseReader(doc)
     top = r.mapping(doc.data, (), allowed=("schema", "trust", "state", "lease_ttl", "lease", "regions", "channels",
-                                          "waves"),
+                                          "waves", "notify"),
                     required=("schema", "trust", "state", "regions", "channels", "waves"))
     schema = r.integer(top["schema"], ("schema",))
     if schema != SCHEMA:
@@ -236,9 +286,10 @@ def parse_release(doc: Document, path: Path) -> ReleaseConfig:
     regions = _regions(r, top["regions"])
     channels = _channels(r, top["channels"])
     waves = _waves(r, top["waves"], {region.name for region in regions})
+    notify = _notify(r, top["notify"], path) if "notify" in top else ()
     return ReleaseConfig(path=path, trust_path=trust_path, state_registry=state_registry,
                          state_repository=state_repository, lease_ttl_s=lease_ttl, regions=regions,
-                         channels=channels, waves=waves, lease_cluster=lease_cluster)
+                         channels=channels, waves=waves, lease_cluster=lease_cluster, notify=notify)
 
 
 def _lease_cluster(r: _ReleaseReader, value: Any, path: Path) -> LeaseCluster:
@@ -325,6 +376,70 @@ def _credentials(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> Cr
     return CredentialRef(env=r.pattern(data["env"], at + ("env",), _ENV_NAME, "an environment variable name"))
 
 
+def _env_ref(r: _ReleaseReader, value: Any, at: tuple[str | int, ...], what: str) -> str:
+    """`{env: VARIABLE}` -> VARIABLE; anything else (a literal value above all) is refused without quoting it."""
+    if not isinstance(value, dict):
+        raise r.error(at, f"{what} is given by reference only ({{env: VARIABLE}}), never as a value; "
+                          f"remove it and rotate it if it was real")
+    data = r.mapping(value, at, allowed=("env",), required=("env",))
+    return r.pattern(data["env"], at + ("env",), _ENV_NAME, "an environment variable name")
+
+
+def _notify(r: _ReleaseReader, value: Any, path: Path) -> tuple[NotifyTarget, ...]:
+    targets: list[NotifyTarget] = []
+    for index, item in enumerate(r.sequence(value, ("notify",))):
+        at: tuple[str | int, ...] = ("notify", index)
+        _refuse_secret_values(r, item, at, "a notification's secrets are given by reference only "
+                                           "(headers: {NAME: {env: VARIABLE}}), never as a value")
+        data = r.mapping(item, at, allowed=("url", "events", "format", "timeout", "ca_file", "headers"),
+                         required=("url",))
+        url: str | None = None
+        url_env: str | None = None
+        if isinstance(data["url"], dict):
+            url_env = _env_ref(r, data["url"], at + ("url",), "the URL")
+        else:
+            url = r.string(data["url"], at + ("url",))
+            problem = notify_url_problem(url)
+            if problem:
+                shown = f"'{url[:80]}' " if "@" not in url else ""  # never quote a URL's credentials
+                raise r.error(at + ("url",), f"{shown}{problem}")
+        events = NOTIFY_EVENTS
+        if "events" in data:
+            chosen: list[str] = []
+            for position, kind in enumerate(r.sequence(data["events"], at + ("events",), non_empty=True)):
+                where = at + ("events", position)
+                text = r.string(kind, where)
+                if text not in NOTIFY_EVENTS:
+                    raise r.error(where, f"unknown event '{text[:80]}'{suggest(text, NOTIFY_EVENTS)} "
+                                         f"(one of {', '.join(NOTIFY_EVENTS)})")
+                if text in chosen:
+                    raise r.error(where, f"event '{text}' is listed twice")
+                chosen.append(text)
+            events = tuple(chosen)
+        form = r.string(data.get("format", "cloudevents"), at + ("format",))
+        if form not in NOTIFY_FORMATS:
+            raise r.error(at + ("format",), f"unknown format '{form[:80]}'{suggest(form, NOTIFY_FORMATS)} "
+                                            f"(one of {', '.join(NOTIFY_FORMATS)})")
+        timeout = r.duration(data["timeout"], at + ("timeout",), minimum=0.1) if "timeout" in data else 5.0
+        ca_file = None
+        if "ca_file" in data:
+            ca_file = Path(r.string(data["ca_file"], at + ("ca_file",))).expanduser()
+            if not ca_file.is_absolute():
+                ca_file = path.parent / ca_file
+        headers: list[tuple[str, str]] = []
+        for name, ref in r.mapping(data.get("headers", {}), at + ("headers",)).items():
+            where = at + ("headers", name)
+            header = r.pattern(name, where, _HEADER_NAME, "a header name (letters, digits and -)")
+            if header.lower() in _OWN_HEADERS:
+                raise r.error(where, f"{header} is written by imagebuild itself")
+            if header.lower() in (known.lower() for known, _ in headers):
+                raise r.error(where, f"header {header} is given twice")
+            headers.append((header, _env_ref(r, ref, where, "a header's value")))
+        targets.append(NotifyTarget(url=url, url_env=url_env, events=events, format=form, timeout_s=timeout,
+                                    ca_file=ca_file, headers=tuple(headers)))
+    return tuple(targets)
+
+
 def _channels(r: _ReleaseReader, value: Any) -> tuple[str, ...]:
     items = r.sequence(value, ("channels",), non_empty=True)
     channels: list[str] = []
@@ -408,6 +523,7 @@ def _gates(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> tuple[Ga
     return tuple(gates)
 
 
-__all__ = ["ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "LeaseCluster", "PrepullNode",
+__all__ = ["NOTIFY_EVENTS", "ApprovalGate", "CredentialRef", "GateSpec", "HttpGate", "InputError", "LeaseCluster",
+           "NotifyTarget", "notify_url_problem", "PrepullNode",
            "Prepull", "PrometheusGate", "Region", "ReleaseConfig", "SignatureGate", "SmokeGate", "SoakGate", "Wave", "load_release",
            "parse_duration", "parse_release"]

@@ -20,6 +20,10 @@ Every step checks the registries before acting and is safe to repeat: a copy fin
 target already holds, a tag already at the digest is not written again, a previous digest once
 recorded is never overwritten. A step is marked done only after its effect, so a kill at any
 point repeats at most the one step that was in flight.
+
+How a run ends (halted, aborted, rolled back, completed) and a failing gate are told to the
+Runtime's `notify` (release.yaml's `notify:` targets, wired by the CLI): it returns at once and
+raises nothing, so no receiver can hold a rollout back or stop it.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ import datetime as dt
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 from imagebuild.config.release_file import ApprovalGate, GateSpec, Region, ReleaseConfig
 from imagebuild.config.trust import TrustConfig, load_trust_config
@@ -99,12 +104,27 @@ StepPhase = Literal["effect", "recorded"]
 StepHook = Callable[[Step, StepPhase], None]
 
 
+# (target host, event kind, why) of a notification that could not be delivered.
+NotifyFailure = Callable[[str, str, str], None]
+
+
+class Notify(Protocol):
+    """Where a rollout tells what happened (notify.send.Notifier, which the CLI makes from release.yaml's
+    `notify:`): `emit` returns at once and raises nothing; `drain` waits, boundedly, for what is in flight."""
+
+    def emit(self, kind: str, source: str, subject: str, data: dict[str, Any],
+             on_failure: NotifyFailure | None = None) -> None: ...
+
+    def drain(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Runtime:
-    """What a caller may inject into a rollout command: its timing and a step hook (none by default)."""
+    """What a caller may inject into a rollout command: its timing, a step hook and where to notify (none by default)."""
 
     timing: Timing = field(default_factory=Timing)
     hook: StepHook | None = None
+    notify: Notify | None = None
 
 
 class _Halt(ImagebuildError):
@@ -183,6 +203,8 @@ class Journal:
     store: StateStore
     local_dir: Path
     record: RolloutRecord
+    # Notifications report their failures from their own threads (note); audit.jsonl gets whole lines.
+    _audit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def save(self) -> None:
         self.record["updated_at"] = now_iso()
@@ -195,14 +217,51 @@ class Journal:
 
     def event(self, what: str, **details: Any) -> dict[str, Any]:
         """An audit event: appended to the record's events (saved with it) and to local audit.jsonl."""
+        entry = self._entry(what, details)
+        self.record["events"].append(entry)
+        self._audit(entry)
+        return entry
+
+    def note(self, what: str, **details: Any) -> None:
+        """An audit line in local audit.jsonl only, from any thread: what happens after the record's last
+        save (a notification failing in the background) must not change a record the lease no longer covers."""
+        self._audit(self._entry(what, details))
+
+    def _entry(self, what: str, details: dict[str, Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"at": now_iso(), "who": who(), "rollout": self.record["id"], "what": what,
                                  "channels": self.record["channels"]}
         entry.update({key: value for key, value in details.items() if value is not None})
-        self.record["events"].append(entry)
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.local_dir / "audit.jsonl", "a", encoding="utf-8") as audit:
-            audit.write(json.dumps(entry, sort_keys=True) + "\n")
         return entry
+
+    def _audit(self, entry: dict[str, Any]) -> None:
+        with self._audit_lock:
+            self.local_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.local_dir / "audit.jsonl", "a", encoding="utf-8") as audit:
+                audit.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+# What each way a run ends is told as (release_file.NOTIFY_EVENTS).
+_NOTICE_OF_STATUS = {"halted": "rollout.halted", "aborted": "rollout.aborted", "completed": "rollout.completed",
+                     "rolled-back": "rollout.rolledback"}
+
+
+def tell(notify: Notify | None, journal: Journal, kind: str, reason: str | None = None, **details: Any) -> None:
+    """Notify `kind` about the journal's rollout; a failure to deliver becomes a `notify-failed` audit line
+    (the target's host and why, never its URL or headers). Never raises, never waits."""
+    if notify is None:
+        return
+    record = journal.record
+    data: dict[str, Any] = {"rollout": record["id"], "status": record["status"], "channels": list(record["channels"]),
+                            "digest": record["digest"], "image": record["source"], "release": record["release"],
+                            "reason": reason, **details}
+
+    def failed(host: str, what: str, why: str) -> None:
+        journal.note("notify-failed", event=what, target=host, detail=why)
+
+    try:
+        notify.emit(kind, f"imagebuild/rollout/{record['id']}", record["digest"], data, failed)
+    except Exception as exc:  # a notifier that breaks its promise still does not stop the rollout
+        failed("?", kind, type(exc).__name__)
 
 
 # --- regions ---------------------------------------------------------------------------------
@@ -233,6 +292,8 @@ class Reconciler:
         runtime = runtime or Runtime()
         self.timing = runtime.timing
         self.hook = runtime.hook
+        self.notify = runtime.notify
+        self._at: Step | RollbackStep | None = None  # the step running now: where a halt is told to have happened
 
     def registry(self, region: Region) -> Registry:
         if region.name not in self._registries:
@@ -295,6 +356,9 @@ class Reconciler:
         self.journal.event(status, detail=reason)
         self.journal.save()
         self.lease.release()
+        at = self._at if status in ("halted", "aborted") else None
+        tell(self.notify, self.journal, _NOTICE_OF_STATUS.get(status, "rollout." + status), reason,
+             wave=at.wave if at else None, region=at.region if at else None)
         return exit_code
 
     # --- the rollout ------------------------------------------------------------------------
@@ -304,6 +368,7 @@ class Reconciler:
         try:
             while self.record["next_step"] < len(steps):
                 step = steps[self.record["next_step"]]
+                self._at = step
                 if self._abort_requested():
                     return self._finish("aborted", f"aborted before step {step.describe()}", ExitCode.FAILED)
                 self.lease.renew()
@@ -496,6 +561,9 @@ class Reconciler:
                 state["state"] = "failed"
                 first = failed[0]
                 self.journal.event("gates", wave=step.wave, gates=state["gates"])
+                tell(self.notify, self.journal, "gate.failed", f"gate {first.gate} failed: {first.detail}",
+                     wave=step.wave, region=first.region, gate=first.gate,
+                     gates=[{"gate": r.gate, "region": r.region, "detail": r.detail} for r in failed])
                 raise _Halt(f"wave {step.wave}: gate {first.gate} failed in region {first.region}: {first.detail}")
             waiting = [r for r in results if r.outcome != gates.GateOutcome.PASSED]
             if not waiting:
@@ -531,6 +599,7 @@ class Reconciler:
         try:
             while rollback["next_step"] < len(steps):
                 step = steps[rollback["next_step"]]
+                self._at = step
                 self.lease.renew()
                 self.out(f"rollback {step.describe()}")
                 result = self._restore(step)
@@ -747,7 +816,8 @@ def rollback(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Outpu
 
 def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
           runtime: Runtime | None = None) -> int:
-    journal, lease = _reopen(config, rollout_id, local_dir, (runtime or Runtime()).timing)
+    runtime = runtime or Runtime()
+    journal, lease = _reopen(config, rollout_id, local_dir, runtime.timing)
     record = journal.record
     if record["status"] in ("completed", "rolled-back", "aborted"):
         out(f"rollout {rollout_id} is {record['status']}; nothing to abort")
@@ -764,6 +834,7 @@ def abort(config: ReleaseConfig, rollout_id: str, local_dir: Path, out: Output,
         journal.save()
     finally:
         lease.release()
+    tell(runtime.notify, journal, "rollout.aborted", "aborted while halted")
     out(f"rollout {rollout_id} aborted")
     return ExitCode.OK
 
