@@ -220,6 +220,22 @@ def test_a_target_answering_503_until_its_timeout_is_a_failure_naming_only_its_h
         receiver.stop()
 
 
+def test_a_redirect_is_not_followed_so_the_token_goes_nowhere_else():
+    elsewhere = Receiver()
+    receiver = Receiver(statuses=(307,), extra_headers={"Location": elsewhere.url})
+    try:
+        failures = Failures()
+        notifier = Notifier((NotifyTarget(url=receiver.url, headers=(("Authorization", "NOTIFY_TOKEN"),)),),
+                            environ={"NOTIFY_TOKEN": TOKEN})
+        notifier.emit("rollout.halted", "imagebuild/rollout/r1", DIGEST, {"rollout": "r1"}, failures)
+        notifier.drain()
+        assert [why for _, _, why in failures.seen] == ["HTTP 307"]
+        assert len(receiver.received) == 1 and elsewhere.received == []
+    finally:
+        receiver.stop()
+        elsewhere.stop()
+
+
 @pytest.mark.parametrize("dead", ["refused", "silent"])
 def test_a_dead_receiver_costs_the_emitter_nothing_and_the_drain_at_most_its_timeout(dead):
     with silent_receiver() as silent:
