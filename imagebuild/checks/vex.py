@@ -52,7 +52,7 @@ _PURL_BASE = re.compile(r"^(pkg:[a-z][a-z0-9.+-]*/[^@?#\s]+)")
 _OCI_PURL = re.compile(r"^pkg:oci/([^@?#/\s]+)@sha256%3A([0-9a-f]{64})$")
 
 
-class Exception_(Protocol):
+class AcceptedRisk(Protocol):
     """What a statement is made of: gate.PolicyException (not imported: verify reads VEX documents and must
     not load the gate, tests/test_cli_startup.py; the gate imports this module)."""
 
@@ -109,7 +109,7 @@ def oci_purl(name: str, digest: str) -> str:
     return f"pkg:oci/{quote(name, safe='')}@{quote(digest, safe='')}"
 
 
-def is_vulnerability(exc: Exception_) -> bool:
+def is_vulnerability(exc: AcceptedRisk) -> bool:
     return not _CHECK_ID.match(exc.id.upper())
 
 
@@ -135,7 +135,7 @@ def sbom_purls(sbom: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     return {key: tuple(purls) for key, purls in found.items()}
 
 
-def build_document(exceptions: Iterable[Exception_], *, variant: str, digest: str, name: str, today: dt.date, now: dt.datetime,
+def build_document(exceptions: Iterable[AcceptedRisk], *, variant: str, digest: str, name: str, today: dt.date, now: dt.datetime,
                    purls: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
     """The OpenVEX document of the image `name@digest` of `variant`: one statement per exception (a policy's)
     valid `today` that applies to the variant and names a vulnerability."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from imagebuild.cli.common import echo, format_option, reports_input_errors
+from imagebuild.cli.common import echo, format_option, reports_input_errors, trust_file_option
 from imagebuild.core.source import InputError
 
 
@@ -98,8 +98,7 @@ def _read_sbom(path: Path) -> dict[str, Any]:
 
 @vex_group.command("show")
 @click.argument("image", metavar="IMAGE@DIGEST")
-@click.option("--trust", "trust_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="The trust file whose keys must have signed the image and its VEX.")
+@trust_file_option("The trust file whose keys must have signed the image and its VEX.", required=True)
 @_today_option
 @format_option("table", "json")
 @reports_input_errors

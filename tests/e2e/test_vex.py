@@ -98,6 +98,9 @@ def test_the_signed_statement_is_what_cosign_verifies_with_its_subcomponent_and_
     assert vex["products"] == [{"@id": f"pkg:oci/paddle@sha256%3A{hex_digest}",
                                 "subcomponents": [{"@id": "pkg:deb/debian/zlib1g"}]}]
     assert vex["imagebuild:expires"] == LAST_DAY.isoformat()
+    # The trust file requires a current VEX document (require.vex_current): this one is, today.
+    verified = imagebuild("verify", released["image"].by_digest, "--trust", str(released["folder"] / "trust.yaml"))
+    assert verified.returncode == 0, (verified.stdout, verified.stderr)
 
 
 def test_a_new_advisory_the_signed_vex_covers_does_not_quarantine_until_the_statement_expires(released):
@@ -129,3 +132,19 @@ def test_an_unsigned_image_has_no_vex_that_counts(released, tmp_path):
     with Verifier(load_trust_config(released["folder"] / "trust.yaml"), cache_ttl_seconds=0) as verifier:
         found = signed_for_scan(verifier, f"{repository}@{other}", tmp_path / "out", LAST_DAY)
     assert found.path is None and found.problem is not None and "not verified" in found.problem
+
+
+def test_a_signed_but_malformed_document_counts_for_nothing(released, cosign_cli, our_key, tmp_path):
+    """Signed by our key yet not a document of ours: refused field by field, in one line, and no VEX is used."""
+    repository = f"{REGIONS['eu-west']}/{unique('vex-hostile')}/paddle"
+    image = Image(repository, "cpu", push_tiny_image(tmp_path, f"{repository}:cpu", base=BASE))
+    cosign_cli.sign(image, our_key)
+    hostile = {"@context": "https://openvex.dev/ns/v0.2.0", "@id": "x", "author": "\x1b[31mme", "timestamp": "t",
+               "version": 1, "statements": [{"vulnerability": {"name": NEWS["id"]}, "status": "not_affected",
+                                             "justification": "component_not_present", "imagebuild:expires": "2099-01-01",
+                                             "products": [{"@id": "pkg:oci/paddle"}]}]}
+    cosign_cli.attest(image, our_key, "https://openvex.dev/ns/v0.2.0", hostile, tmp_path)
+    with Verifier(load_trust_config(released["folder"] / "trust.yaml"), cache_ttl_seconds=0) as verifier:
+        found = signed_for_scan(verifier, image.by_digest, tmp_path / "out", LAST_DAY)
+    assert found.path is None and "\n" not in (found.problem or "")
+    assert "statements[0].products[0].@id: not an image by digest" in (found.problem or "")
