@@ -36,7 +36,7 @@ SCAN = ScanStage(status="ok", digest=DIGEST, trivy_version="0.76.0", db_updated_
                  scanned_at="2026-12-01T05:00:00Z", duration_s=22.9)
 
 
-def test_the_six_predicate_types_are_the_ones_verifiers_match():
+def test_the_predicate_types_are_the_ones_verifiers_match():
     assert attest.PREDICATE_TYPES == {
         "sbom": "https://cyclonedx.org/bom",
         "vuln": "https://cosign.sigstore.dev/attestation/vuln/v1",
@@ -44,6 +44,7 @@ def test_the_six_predicate_types_are_the_ones_verifiers_match():
         "gate": "https://imagebuild.dev/attestations/gate/v1",
         "provenance": "https://slsa.dev/provenance/v1",
         "release": "https://imagebuild.dev/attestations/release/v1",
+        "openvex": "https://openvex.dev/ns/v0.2.0",
     }
     assert [k.cosign_type for k in attest.KINDS] == ["cyclonedx", "vuln", attest.PREDICATE_SMOKE, attest.PREDICATE_GATE,
                                                      attest.PREDICATE_PROVENANCE, attest.PREDICATE_RELEASE]

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from imagebuild.checks import vex
+from imagebuild.checks.vex import package_key
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import GateStage, StageStatus
 from imagebuild.core.source import Document, PathKey, Reader, known_list, suggest
@@ -59,6 +61,9 @@ class PolicyException:
     packages: tuple[str, ...] = ()  # empty: any package
     variants: tuple[str, ...] = ()  # empty: every variant
     line: int | None = None  # where it is written, for messages
+    # As an OpenVEX statement (checks/vex.py): not_affected (with an OpenVEX justification) or affected.
+    status: str = "not_affected"
+    justification: str = ""  # empty: vex.DEFAULT_JUSTIFICATION
 
     def expired(self, today: dt.date) -> bool:
         return today > self.expires
@@ -85,7 +90,8 @@ class Policy:
 
 
 _POLICY_KEYS = ("schema", "severity", "ignore_unfixed", "misconfiguration_severity", "exceptions")
-_EXCEPTION_KEYS = ("id", "packages", "variants", "owner", "reason", "expires")
+_EXCEPTION_KEYS = ("id", "packages", "variants", "owner", "reason", "expires", "status", "justification")
+
 
 
 def parse_policy(doc: Document) -> Policy:
@@ -102,7 +108,7 @@ def parse_policy(doc: Document) -> Policy:
     seen: dict[tuple[str, frozenset[str], frozenset[str]], int | None] = {}
     for index, item in enumerate(r.sequence(data.get("exceptions", []) or [], ("exceptions",))):
         exc = _exception(r, item, ("exceptions", index))
-        identity = (exc.id.upper(), frozenset(map(_package_key, exc.packages)), frozenset(exc.variants))
+        identity = (exc.id.upper(), frozenset(map(package_key, exc.packages)), frozenset(exc.variants))
         if identity in seen:
             raise r.error(("exceptions", index, "id"),
                           f"duplicate exception for {exc.id} with the same scope (first at line {seen[identity]})")
@@ -131,8 +137,24 @@ def _exception(r: Reader, item: Any, path: PathKey) -> PolicyException:
         raise r.error(path + ("reason",), "say why the risk is accepted, in a sentence (at least 10 characters)")
     packages = _names(r, spec, "packages", path)
     variants = _names(r, spec, "variants", path)
+    # What its OpenVEX statement says (checks/vex.py): OpenVEX's words.
+    status = _word(r, spec, "status", vex.STATUSES, path) or vex.NOT_AFFECTED
+    justification = _word(r, spec, "justification", vex.JUSTIFICATIONS, path)
+    if justification and status != "not_affected":
+        raise r.error(path + ("justification",), "a justification says why a product is not_affected; "
+                                                 "an affected exception has none")
     return PolicyException(id=vuln_id, owner=owner, reason=reason, expires=_date(r, spec["expires"], path + ("expires",)),
-                           packages=packages, variants=variants, line=r.doc.line(path))
+                           packages=packages, variants=variants, line=r.doc.line(path), status=status,
+                           justification=justification)
+
+
+def _word(r: Reader, spec: dict[str, Any], key: str, known: tuple[str, ...], path: PathKey) -> str:
+    if key not in spec:
+        return ""
+    word = r.string(spec[key], path + (key,)).strip()
+    if word not in known:
+        raise r.error(path + (key,), f"unknown {key} '{word}'{suggest(word, known)} (one of {known_list(known)})")
+    return word
 
 
 def _names(r: Reader, spec: dict[str, Any], key: str, path: PathKey) -> tuple[str, ...]:
@@ -336,11 +358,6 @@ class GateResult:
         return [w for image in self.images for w in image.warnings]
 
 
-def _package_key(name: str) -> str:
-    # Debian names are lower case; PyPI treats case, '-', '_' and '.' as the same (PEP 503).
-    return re.sub(r"[-_.]+", "-", name.lower())
-
-
 def matches(exc: PolicyException, finding: Finding, variant: str) -> bool:
     """Does `exc` name this finding in this variant? Secrets are never matched."""
     if finding.kind == "secret":
@@ -352,9 +369,9 @@ def matches(exc: PolicyException, finding: Finding, variant: str) -> bool:
     if exc.packages:
         if finding.kind != "vulnerability":
             return False  # a package list narrows to packages; a Dockerfile check has none
-        wanted = {_package_key(p) for p in exc.packages}
-        return _package_key(finding.package) in wanted or (
-            bool(finding.source_package) and _package_key(finding.source_package) in wanted)
+        wanted = {package_key(p) for p in exc.packages}
+        return package_key(finding.package) in wanted or (
+            bool(finding.source_package) and package_key(finding.source_package) in wanted)
     return True
 
 

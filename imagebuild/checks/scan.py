@@ -198,9 +198,13 @@ def is_insecure(reference: str, options: ScanOptions) -> bool:
     return registry in options.insecure_registries or base_url(registry).startswith("http://")
 
 
-def scan_image(trivy: Trivy, image: str, name: str, options: ScanOptions, out: Path) -> tuple[dict[str, Any], LayerUse]:
+def scan_image(trivy: Trivy, image: str, name: str, options: ScanOptions, out: Path,
+               vex: Path | None = None) -> tuple[dict[str, Any], LayerUse]:
     """trivy image (vuln + secret) of `image` by digest (a child of an index by its own: Trivy then reads
-    that platform's image), then the SBOM from its JSON. `name` says whose it is in errors. Returns (report, layers)."""
+    that platform's image), then the SBOM from its JSON. `name` says whose it is in errors. Returns (report, layers).
+
+    `vex`: an OpenVEX file (`--vex`) whose not_affected statements Trivy drops findings by; only ever the
+    image's own signed statements still valid (trust/vex_attest.py), never a file of unknown origin."""
     if not image or "@sha256:" not in image:
         raise ScanError(f"{name}: {image!r} is not addressed by digest; only digests are scanned")
     out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +218,8 @@ def scan_image(trivy: Trivy, image: str, name: str, options: ScanOptions, out: P
         args += ["--offline-scan", "--skip-java-db-update"]
     if is_insecure(image, options):
         args.append("--insecure")
+    if vex is not None:
+        args += ["--vex", str(vex.resolve())]
     result = trivy.run([*args, image], log=log, cwd=out, keep=_keep_log_line,
                        timeout=_seconds(options.timeout) + 60)
     if result.returncode != 0 or not image_json.is_file():

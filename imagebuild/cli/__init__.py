@@ -92,6 +92,8 @@ COMMANDS: dict[str, LazyCommand] = {
     "rescan": LazyCommand(
         "quarantine_command:rescan_command",
         "Scan every image behind a channel tag again, with today's DB; quarantine those that now fail the gate."),
+    "vex": LazyCommand(
+        "vex_command:vex_group", "The policy's exceptions as a signed OpenVEX attestation, which `rescan` hands to Trivy."),
     "quarantine": LazyCommand(
         "quarantine_command:quarantine_command",
         "Quarantine IMAGE by hand, lift it with --clear, or list what is quarantined (no IMAGE)."),

@@ -1,6 +1,7 @@
 """imagebuild rescan and imagebuild quarantine: what is behind the channel tags, judged again (logic in quarantine.py)."""
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -35,17 +36,24 @@ if TYPE_CHECKING:
 @click.option("--db-repository", metavar="REF", default=None, help="OCI repository of your Trivy DB mirror.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path(".imagebuild/rescan"),
               show_default=True, help="Trivy's reports per digest.")
+@click.option("--today", type=click.DateTime(formats=["%Y-%m-%d"]), default=None, metavar="YYYY-MM-DD",
+              help="Judge as of this day (exceptions and signed VEX statements past their last day stop counting) "
+                   "[default: today, UTC].")
 @state_dir_option
 @format_option("table", "json")
 @reports_input_errors
 def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offline: bool, db_repository: str | None,
-                   out: Path, state_dir: Path, output_format: str) -> None:
+                   out: Path, today: dt.datetime | None, state_dir: Path, output_format: str) -> None:
     """Scan every image behind a channel tag again, with today's DB; quarantine those that now fail the gate.
 
     Each channel tag of each region is resolved to a digest; each digest is scanned once
     (from the first region that has it) and judged with the policy. One that fails is
     quarantined: marked in the release's state repository (`quarantine-sha256-<hex>`), after
     which `imagebuild rollout start` and `resume` refuse it. One line per image on stdout.
+
+    Trivy is given the image's signed OpenVEX statements (`imagebuild vex attest`, verified with
+    the release's trust file) that have not expired: a finding one of them says is not_affected
+    is not reported.
 
     Exit 0 when every image passes; 1 when any fails (newly quarantined, or still failing
     while quarantined) or could not be scanned; 2 on bad input; 3 when Trivy is missing or
@@ -71,7 +79,8 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     unreachable: dict[str, str] = {}
     try:
         results = rescan.rescan(config, policy_path, options, out.resolve(),
-                                on_event=lambda line: echo(line, err=True), unreachable=unreachable)
+                                on_event=lambda line: echo(line, err=True), unreachable=unreachable,
+                                today=today.date() if today else None)
     except RolloutError as exc:
         # A region's credentials variable unset (state.region_registry says BAD_INPUT, as `rollout`
         # exits): rescan has always ended such a run with 1, and keeps doing so.

@@ -49,7 +49,9 @@ from imagebuild.oci import reference
 TRUST_SCHEMA = 1
 # provenance: SLSA v1 provenance whose buildType is imagebuild's; release: imagebuild's release record
 # (`require: {attestations: [provenance]}` is how a trust file requires provenance).
-ATTESTATION_KINDS = ("sbom", "vuln", "smoke", "gate", "provenance", "release")
+# openvex: the policy's exceptions as OpenVEX (`imagebuild vex attest`); `vex_current` asks that none of its
+# statements has expired.
+ATTESTATION_KINDS = ("sbom", "vuln", "smoke", "gate", "provenance", "release", "openvex")
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 _MAX_KEY_BYTES = 16 * 1024
 # A repository glob: registry host[:port] then path segments; `*` and `**` are the only wildcards.
@@ -87,6 +89,7 @@ class Requirements:
     smoke_passed: bool = False  # the smoke attestation says passed, about this digest
     gate_passed: bool = False  # the gate attestation says passed, about this digest
     block_severity: str | None = None  # an unexcepted vulnerability at or above this refuses the image
+    vex_current: bool = False  # an openvex attestation about this digest, none of its statements expired
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ _QUARANTINE_KEYS = ("registry", "repository", "cache_ttl_seconds")
 _REGISTRY = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?")
 _REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _KEY_KEYS = ("name", "path", "pem")
-_REQUIRE_KEYS = ("attestations", "smoke_passed", "gate_passed", "block_severity")
+_REQUIRE_KEYS = ("attestations", "smoke_passed", "gate_passed", "block_severity", "vex_current")
 _WEBHOOK_KEYS = ("namespace", "name", "image", "port")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _NAMESPACE_KEYS = ("name", "pod_security", "version")
@@ -323,13 +326,15 @@ def _requirements(r: Reader, value: Any) -> Requirements:
         if severity not in SEVERITIES:
             raise r.error(("require", "block_severity"), f"unknown severity '{data['block_severity']}'"
                                                          f"{suggest(severity, SEVERITIES)} (one of {known_list(SEVERITIES)})")
+    vex_current = r.boolean(data["vex_current"], ("require", "vex_current")) if "vex_current" in data else False
     # A requirement on an attestation's content needs that attestation.
-    for needed, flag in (("smoke", smoke), ("gate", gate), ("vuln", severity is not None)):
+    for needed, flag in (("smoke", smoke), ("gate", gate), ("vuln", severity is not None), ("openvex", vex_current)):
         if flag and needed not in kinds:
             kinds.append(needed)
     if severity is not None and "gate" not in kinds:
         kinds.append("gate")  # the exceptions the gate applied decide what is "unexcepted"
-    return Requirements(attestations=tuple(kinds), smoke_passed=smoke, gate_passed=gate, block_severity=severity)
+    return Requirements(attestations=tuple(kinds), smoke_passed=smoke, gate_passed=gate, block_severity=severity,
+                        vex_current=vex_current)
 
 
 def _webhook(r: Reader, value: Any) -> WebhookSettings:

@@ -37,7 +37,7 @@ from imagebuild.trust import sign as signing
 from imagebuild.trust.verify import Verifier
 
 RESIGN_HOLDER = "resign"  # the lease holder's name while re-signing (as gc's: a rerun on this host takes it over)
-_KINDS = {kind.predicate_type: kind for kind in attest.KINDS}
+_KINDS = {kind.predicate_type: kind for kind in (*attest.KINDS, attest.OPENVEX)}
 
 
 class ResignError(ImagebuildError):

@@ -3,6 +3,10 @@
 Each digest is scanned once, from the first region that has it (scan.scan_image, the same flags as
 `imagebuild scan`), and judged with the vulnerability policy (gate.evaluate, as `imagebuild gate`);
 each one that fails is quarantined (quarantine.mark), so that no rollout moves it on.
+
+The image's signed OpenVEX attestation (`imagebuild vex attest`), verified with the release's trust
+file, is handed to Trivy (`--vex`) with its expired statements left out: a newer DB respects exactly
+the exceptions that were signed for that digest, until each one's last day.
 """
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ from typing import Any
 from imagebuild.checks import gate as gating
 from imagebuild.checks import scan as scanning
 from imagebuild.config.release_file import ReleaseConfig
+from imagebuild.config.trust import load_trust_config
 from imagebuild.core.source import load_document
 from imagebuild.oci.client import RegistryError
 from imagebuild.rollout.quarantine import find, mark, open_state
 from imagebuild.rollout.state import region_registry
+from imagebuild.trust.verify import Verifier
+from imagebuild.trust.vex_attest import SignedVex, signed_for_scan
 
 
 @dataclass
@@ -41,6 +48,7 @@ class RescanResult:
     problems: list[str] = field(default_factory=list)
     error: str | None = None
     db_updated_at: str | None = None
+    vex: SignedVex = field(default_factory=SignedVex)  # the signed statements Trivy was given
 
     @property
     def fails(self) -> bool:
@@ -49,7 +57,7 @@ class RescanResult:
     def to_dict(self) -> dict[str, Any]:
         return {"digest": self.digest, "image": self.image, "tags": self.tags, "status": self.status,
                 "blocking": self.blocking, "problems": self.problems, "error": self.error,
-                "db_updated_at": self.db_updated_at}
+                "db_updated_at": self.db_updated_at, "vex": self.vex.record()}
 
 
 def channel_images(config: ReleaseConfig, unreachable: Callable[[str, str], None]) -> list[ChannelImage]:
@@ -91,18 +99,22 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
 
     images = channel_images(config, down)
     store = open_state(config)
+    verifier = Verifier(load_trust_config(config.trust_path), cache_ttl_seconds=0)
     results = []
     try:
         for image in images:
             on_event(f"rescanning {image.pulled_from} ({', '.join(image.tags)})")
             hex_digest = image.digest.split(":", 1)[1]
             name = hex_digest[:12]
+            folder = out / f"sha256-{hex_digest}"
+            signed = signed_for_scan(verifier, image.pulled_from, folder, today)
             try:
-                report, _ = scanning.scan_image(trivy, image.pulled_from, name, scan_options, out / f"sha256-{hex_digest}")
+                report, _ = scanning.scan_image(trivy, image.pulled_from, name, scan_options, folder, vex=signed.path)
                 findings = gating.findings(report)
             except (scanning.ScanError, gating.ReportError) as exc:
                 results.append(RescanResult(image.digest, image.pulled_from, image.tags, "failed",
-                                            error=str(exc).splitlines()[0][:500], db_updated_at=db.updated_at))
+                                            error=str(exc).splitlines()[0][:500], db_updated_at=db.updated_at,
+                                            vex=signed))
                 continue
             scan = gating.ImageScan(name, image.pulled_from, image.digest, tuple(findings))
             verdict = gating.evaluate(policy, [scan], today).images[0]
@@ -110,7 +122,7 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
                                   blocking=[{"id": d.finding.id, "package": d.finding.package,
                                              "severity": d.finding.severity, "installed": d.finding.installed,
                                              "fixed": d.finding.fixed, "why": d.why} for d in verdict.blocking],
-                                  problems=list(verdict.problems))
+                                  problems=list(verdict.problems), vex=signed)
             if not verdict.passed:
                 earlier = find(store, image.digest)
                 what = ", ".join(b["id"] for b in result.blocking[:5]) or "; ".join(result.problems)[:200]
@@ -119,5 +131,6 @@ def rescan(config: ReleaseConfig, policy_path: Path, scan_options: Any, out: Pat
                 result.status = "still-quarantined" if earlier else "quarantined"
             results.append(result)
     finally:
+        verifier.close()
         store.registry.close()
     return results

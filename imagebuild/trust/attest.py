@@ -9,6 +9,10 @@ Four predicates, each about one image digest, each attached with `cosign attest 
     gate   <the gate URI>                https://imagebuild.dev/attestations/gate/v1
     provenance <the SLSA URI>            https://slsa.dev/provenance/v1 (provenance.py builds it)
     release    <the release URI>         https://imagebuild.dev/attestations/release/v1 (provenance.py)
+    openvex    <the OpenVEX URI>         https://openvex.dev/ns/v0.2.0 (checks/vex.py; `imagebuild vex attest`)
+
+The OpenVEX document is attested with its URI as `--type` too: cosign's word `openvex` would
+re-encode it through go-vex's struct, dropping the statements' `imagebuild:expires`.
 
 The provenance is attested with its URI as `--type`, not cosign's word `slsaprovenance1`: for
 that word cosign re-encodes the predicate through in-toto-golang's struct, which writes
@@ -39,6 +43,7 @@ PREDICATE_SMOKE = "https://imagebuild.dev/attestations/smoke/v1"
 PREDICATE_GATE = "https://imagebuild.dev/attestations/gate/v1"
 PREDICATE_PROVENANCE = "https://slsa.dev/provenance/v1"
 PREDICATE_RELEASE = "https://imagebuild.dev/attestations/release/v1"
+PREDICATE_OPENVEX = "https://openvex.dev/ns/v0.2.0"
 
 TRIVY_URI = "https://github.com/aquasecurity/trivy"
 INVOCATION_URI = "https://imagebuild.dev/commands/scan"  # what produced the scan the vuln predicate carries
@@ -67,7 +72,10 @@ GATE = AttestationKind("gate", PREDICATE_GATE, PREDICATE_GATE)
 PROVENANCE = AttestationKind("provenance", PREDICATE_PROVENANCE, PREDICATE_PROVENANCE)
 RELEASE = AttestationKind("release", PREDICATE_RELEASE, PREDICATE_RELEASE)
 KINDS: tuple[AttestationKind, ...] = (SBOM, VULN, SMOKE, GATE, PROVENANCE, RELEASE)
-PREDICATE_TYPES: dict[str, str] = {kind.name: kind.predicate_type for kind in KINDS}
+# Not one of `imagebuild sign`'s: the exceptions change on their own schedule, so `imagebuild vex attest`
+# attaches (and replaces) it by itself, and no release record vouches for it.
+OPENVEX = AttestationKind("openvex", PREDICATE_OPENVEX, PREDICATE_OPENVEX)
+PREDICATE_TYPES: dict[str, str] = {kind.name: kind.predicate_type for kind in (*KINDS, OPENVEX)}
 
 
 def _require_digest(what: str, recorded: Any, digest: str) -> None:

@@ -37,6 +37,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
+from imagebuild.checks import vex
 from imagebuild.config.trust import PublicKey, Requirements, TrustConfig
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.source import InputError, safe_text
@@ -46,6 +47,7 @@ from imagebuild.oci.platforms import BadIndex, Child, child_for, index_children
 from imagebuild.oci.retry import QUICK_RETRIES
 from imagebuild.trust.attest import (
     PREDICATE_GATE,
+    PREDICATE_OPENVEX,
     PREDICATE_PROVENANCE,
     PREDICATE_RELEASE,
     PREDICATE_SBOM,
@@ -62,7 +64,7 @@ IN_TOTO_STATEMENTS = ("https://in-toto.io/Statement/v0.1", "https://in-toto.io/S
 
 # The predicate types `imagebuild sign` attests, by the names the trust config's require.attestations uses.
 ATTESTATION_TYPES = {"sbom": PREDICATE_SBOM, "vuln": PREDICATE_VULN, "smoke": PREDICATE_SMOKE, "gate": PREDICATE_GATE,
-                     "provenance": PREDICATE_PROVENANCE, "release": PREDICATE_RELEASE}
+                     "provenance": PREDICATE_PROVENANCE, "release": PREDICATE_RELEASE, "openvex": PREDICATE_OPENVEX}
 SEVERITIES = ("UNKNOWN", "LOW", "MEDIUM", "HIGH", "CRITICAL")
 # What an index (a multi-platform release) carries itself: its release record. Every other requirement
 # is about what a node runs, so it is judged on each child, about that child's digest.
@@ -560,6 +562,9 @@ def requirement_failures(require: Requirements, attestations: Mapping[str, Attes
     release = attestations.get(ATTESTATION_TYPES["release"])
     if "release" in require.attestations and release is not None:
         failures += release_problems(release.predicate, provenance.predicate if provenance else None, digest)
+    openvex = attestations.get(ATTESTATION_TYPES["openvex"])
+    if require.vex_current and openvex is not None:
+        failures += vex_problems(openvex, digest, today)
     if require.block_severity:
         vuln = attestations.get(ATTESTATION_TYPES["vuln"])
         if vuln is None:
@@ -581,8 +586,22 @@ def requirement_failures(require: Requirements, attestations: Mapping[str, Attes
     return failures
 
 
+def signed_vex(attestation: Attestation) -> vex.VexDocument:
+    """The OpenVEX document of a verified attestation, checked field by field (InputError when it is not one)."""
+    return vex.parse_document(attestation.predicate, f"the openvex attestation (signed by {attestation.key})")
+
+
+def vex_problems(attestation: Attestation, digest: str, today: dt.date) -> list[str]:
+    """Why the signed OpenVEX document is not current for `digest` (trust file: require.vex_current)."""
+    try:
+        return vex.currency_problems(signed_vex(attestation), digest, today)
+    except InputError as exc:
+        return [safe_text(str(exc), 300)]
+
+
 def needs_attestations(require: Requirements) -> bool:
-    return bool(require.attestations or require.smoke_passed or require.gate_passed or require.block_severity)
+    return bool(require.attestations or require.smoke_passed or require.gate_passed or require.block_severity
+                or require.vex_current)
 
 
 def split_requirements(require: Requirements) -> tuple[Requirements, Requirements]:
