@@ -168,7 +168,7 @@ install_apt_packages() {
         summary "apt packages" "-" "present"
         return
     fi
-    log "apt: installing ${missing[*]}"
+    log "apt: installing ${missing[*]} ${lean[*]}"
     # needrestart (recommended by docker.io) would otherwise ask questions or restart
     # services at the end of the install.
     NEEDRESTART_SUSPEND=1 APT_LISTCHANGES_FRONTEND=none apt-get update -qq
@@ -198,14 +198,14 @@ disable_packaged_registry() {
     fi
 }
 
-# Debian's prometheus (and prometheus-node-exporter, which it recommends) are enabled and
-# started by their postinst: :9090 and :9100 on all interfaces, scraping this host. The rollout
+# Debian's prometheus (and prometheus-node-exporter, which it recommends) and prometheus-pushgateway
+# are enabled and started by their postinst: :9090, :9100 and :9091 on all interfaces. The rollout
 # tests start their own Prometheus on a free loopback port, so the packaged ones are stopped and
 # disabled: with systemd through systemctl; without it (containers) through their init scripts
 # and update-rc.d (a policy-rc.d that exits 101 already kept them from starting there).
 disable_packaged_prometheus() {
     local svc
-    for svc in prometheus prometheus-node-exporter; do
+    for svc in prometheus prometheus-node-exporter prometheus-pushgateway; do
         if [ -d /run/systemd/system ]; then
             if systemctl is-enabled --quiet "$svc.service" 2>/dev/null \
                 || systemctl is-active --quiet "$svc.service" 2>/dev/null; then

@@ -10,7 +10,7 @@ scripts/build-test-tools.sh
 # bootstrap installed the package into this venv; its python and imagebuild come first.
 export PATH="/opt/imagebuild-tools/venv/bin:/opt/imagebuild-tools/bin:$PATH"
 # Lint and types first: cheap, and a failure there fails the run (set -e).
-python -m ruff check imagebuild tests bench
+python -m ruff check imagebuild tests bench monitoring
 python -m mypy  # files and strictness: [tool.mypy] in pyproject.toml
 set +e
 # Four workers: the two e2e groups (tests/e2e/conftest.py) each on one, in order; the unit tests

@@ -1,4 +1,4 @@
-"""The admission webhook's HTTPS server: POST /validate and /mutate, GET /healthz and /readyz.
+"""The admission webhook's HTTPS server: POST /validate and /mutate, GET /healthz, /readyz and /metrics.
 
 One asyncio loop serves every connection, HTTP/1.1 parsed by h11 and TLS (1.2 or later) done by
 the standard library's ssl over memory buffers, so an idle or slow connection is a suspended
@@ -52,6 +52,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from imagebuild.admission import review as admission
+from imagebuild.admission.metrics import CONTENT_TYPE, WebhookMetrics
 from imagebuild.admission.review import Policy, Verdict
 from imagebuild.core.errors import ImagebuildError
 
@@ -128,8 +129,9 @@ class DecisionLog:
 class ParallelVerifier:
     """verify(image) for each distinct image of a request, a few at a time; an exception refuses that image."""
 
-    def __init__(self, verify: Callable[[str], Verdict], workers: int) -> None:
+    def __init__(self, verify: Callable[[str], Verdict], workers: int, metrics: WebhookMetrics | None = None) -> None:
         self._verify = verify
+        self._metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
 
     def __call__(self, images: Sequence[str]) -> Mapping[str, Verdict]:
@@ -139,9 +141,12 @@ class ParallelVerifier:
 
     def _one(self, image: str) -> Verdict:
         try:
-            return self._verify(image)
+            verdict = self._verify(image)
         except Exception as err:  # noqa: BLE001 -- a verifier bug refuses the image, it does not kill the request
-            return ErrorVerdict(image, f"verification failed: {type(err).__name__}: {str(err)[:200]}")
+            verdict = ErrorVerdict(image, f"verification failed: {type(err).__name__}: {str(err)[:200]}")
+        if verdict.unreachable and self._metrics is not None:  # the registry did not answer, or not readably
+            self._metrics.registry_errors.inc()
+        return verdict
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -458,10 +463,14 @@ class Connection:
             if body is None:
                 return None, b"", ""
             self.phase = "review"
-            payload = self.server.review_inline(body, REVIEW_PATHS[path], started)
-            if payload is None:
-                payload = await self.loop.run_in_executor(
-                    self.server.reviews, functools.partial(self.server.review, body, REVIEW_PATHS[path], started))
+            self.server.metrics.in_flight.inc()
+            try:
+                payload = self.server.review_inline(body, REVIEW_PATHS[path], started)
+                if payload is None:
+                    payload = await self.loop.run_in_executor(
+                        self.server.reviews, functools.partial(self.server.review, body, REVIEW_PATHS[path], started))
+            finally:
+                self.server.metrics.in_flight.dec()
         finally:
             await budget.give(length)
         return HTTPStatus.OK if payload[0] == 200 else HTTPStatus(payload[0]), payload[1], "application/json"
@@ -473,6 +482,8 @@ class Connection:
             ready = self.server.ready and not self.server.stopping
             return (HTTPStatus.OK, b"ok\n", "text/plain") if ready else \
                 (HTTPStatus.SERVICE_UNAVAILABLE, b"shutting down\n", "text/plain")
+        if path == "/metrics":
+            return HTTPStatus.OK, self.server.metrics.exposition(), CONTENT_TYPE
         return HTTPStatus.NOT_FOUND, b"not found\n", "text/plain"
 
     async def _event(self, http: h11.Connection) -> Any:
@@ -511,6 +522,7 @@ class Connection:
         self.server.log.limited("request_timeout", self.address, phase=phase)
 
     async def _refuse(self, http: h11.Connection, refusal: Refusal) -> bool:
+        self.server.metrics.refused.labels(str(int(refusal.status))).inc()
         if refusal.status is HTTPStatus.REQUEST_TIMEOUT:
             self._timed_out(self.phase)
         else:
@@ -576,8 +588,10 @@ class WebhookServer:
     """Accepts connections within the limits, runs each, and stops gracefully."""
 
     def __init__(self, settings: ServerSettings, certificate: ServingCertificate, verify: ParallelVerifier,
-                 policy: Policy, log: DecisionLog, cached: Cached | None = None) -> None:
+                 policy: Policy, log: DecisionLog, cached: Cached | None = None,
+                 metrics: WebhookMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or WebhookMetrics()
         self.certificate = certificate
         self.verify = verify
         self.cached = cached
@@ -622,8 +636,11 @@ class WebhookServer:
         return self._answered(outcome, pin, started, inline=True)
 
     def _answered(self, outcome: admission.Outcome, pin: bool, started: float, inline: bool) -> tuple[int, bytes]:
-        self.log.write("decision", endpoint="mutate" if pin else "validate", **outcome.log,
-                       duration_ms=round((time.monotonic() - started) * 1000, 1), inline=inline)
+        seconds = time.monotonic() - started
+        endpoint = "mutate" if pin else "validate"
+        self.metrics.decided(endpoint, outcome.log, seconds)
+        self.log.write("decision", endpoint=endpoint, **outcome.log, duration_ms=round(seconds * 1000, 1),
+                       inline=inline)
         return outcome.http_status, json.dumps(outcome.body).encode()
 
     async def start(self) -> None:
@@ -633,6 +650,7 @@ class WebhookServer:
                                                     backlog=1024, limit=TlsStream.READ_SIZE * 4)
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.ready = True
+        self.metrics.ready.set(1)
 
     def request_stop(self) -> None:
         """From any thread (or a signal handler): begin the graceful stop."""
@@ -646,6 +664,7 @@ class WebhookServer:
 
     async def _drain(self) -> None:
         self.ready = False
+        self.metrics.ready.set(0)
         self.stopping = True
         if self._listener is not None:
             self._listener.close()
@@ -666,6 +685,7 @@ class WebhookServer:
         address = str(peer[0])
         client = client_key(address)
         if not self._admit(client, address):
+            self.metrics.connections_refused.inc()
             writer.transport.abort()
             return
         connection = Connection(self, reader, writer, client, address)
@@ -733,14 +753,16 @@ class WebhookServer:
 
 def serve(settings: ServerSettings, certificate: ServingCertificate, verify: Callable[[str], Verdict],
           policy: Policy, log: DecisionLog, on_ready: Callable[[WebhookServer], None] | None = None,
-          cached: Cached | None = None) -> None:
+          cached: Cached | None = None, metrics: WebhookMetrics | None = None) -> None:
     """Serve until SIGTERM or SIGINT (or server.request_stop()); then drain as the module docstring says.
 
     `cached`: verify's verdict when it is had without the network (Verifier.cached), for reviews answered on
-    the event loop; None sends every review to a worker thread."""
-    verifier = ParallelVerifier(verify, settings.verify_workers)
+    the event loop; None sends every review to a worker thread. `metrics`: what GET /metrics shows (a new set
+    when None)."""
+    metrics = metrics or WebhookMetrics()
+    verifier = ParallelVerifier(verify, settings.verify_workers, metrics)
     try:
-        asyncio.run(_serve(WebhookServer(settings, certificate, verifier, policy, log, cached), on_ready))
+        asyncio.run(_serve(WebhookServer(settings, certificate, verifier, policy, log, cached, metrics), on_ready))
     finally:
         verifier.close()
 

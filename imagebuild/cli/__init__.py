@@ -6,8 +6,8 @@ error); 2 bad input (malformed matrix, policy or release file; bad options); 3 a
 is missing; 130 interrupted by SIGINT (Ctrl-C); 143 stopped by SIGTERM (a CI cancel). See
 common.reports_input_errors.
 
-May import: core, oci, config, build, checks, trust, release, rollout, retention, admission, kube, notify. Nothing
-else imports cli.
+May import: core, oci, config, build, checks, trust, release, rollout, retention, admission, kube, notify,
+metrics. Nothing else imports cli.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import importlib
 import os
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import click
 
@@ -187,7 +189,15 @@ class LazyPipelineGroup(PipelineGroup):
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="imagebuild")
 @click.option("--debug", is_flag=True, help="Show the traceback of an unexpected error (or IMAGEBUILD_DEBUG=1).")
-def cli(debug: bool) -> None:
+@click.option("--metrics-textfile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="IMAGEBUILD_METRICS_TEXTFILE_DIR", metavar="DIR",
+              help="release, rollout, rescan and gc write their figures here as *.prom files, for "
+                   "node-exporter's textfile collector (or IMAGEBUILD_METRICS_TEXTFILE_DIR).")
+@click.option("--metrics-pushgateway", default=None, envvar="IMAGEBUILD_METRICS_PUSHGATEWAY", metavar="URL",
+              callback=lambda _ctx, _param, value: _pushgateway(value),
+              help="... or push them to this Prometheus Pushgateway (or IMAGEBUILD_METRICS_PUSHGATEWAY).")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool, metrics_textfile_dir: Path | None, metrics_pushgateway: str | None) -> None:
     """Build, test, scan, sign and roll out PaddlePaddle GPU images from one version matrix.
 
     \b
@@ -200,9 +210,21 @@ def cli(debug: bool) -> None:
       imagebuild release --only device=cpu             # build, smoke, scan, gate, sign, push
       imagebuild verify IMAGE@sha256:...               # as the admission webhook checks it
       imagebuild rollout start --release release.yaml --image REF --channel stable
+      imagebuild --metrics-pushgateway http://pushgateway:9091 rescan --release release.yaml
     """
     if debug:
         os.environ["IMAGEBUILD_DEBUG"] = "1"
+    ctx.meta["imagebuild.metrics"] = {"textfile_dir": metrics_textfile_dir, "pushgateway": metrics_pushgateway}
+
+
+def _pushgateway(value: str | None) -> str | None:
+    """An http(s) URL with a host, nothing after its path (a query or fragment would not reach the Pushgateway)."""
+    if not value:
+        return None
+    url = urlsplit(value)
+    if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment:
+        raise click.BadParameter(f"'{value[:100]}' is not an http(s) URL of a Pushgateway (http://host:9091)")
+    return value
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from imagebuild.admission import review as admission
+from imagebuild.admission.metrics import WebhookMetrics
 from imagebuild.admission.quarantine import webhook_checks
 from imagebuild.admission.server import DecisionLog, ServerSettings, ServingCertificate, serve
 from imagebuild.cli import LazyCommand, LazyPipelineGroup
@@ -65,6 +66,8 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
                      admitted image to its verified digest (repo:tag@sha256:...)
     GET  /healthz    liveness: the process answers
     GET  /readyz     readiness: 503 once SIGTERM came, while requests in flight finish
+    GET  /metrics    Prometheus text format: decisions by result and reason, latency,
+                     cache hits, registry errors, requests in flight
 
     The certificate and key are read again when their files change (a Secret's update, a
     cert-manager renewal), at most once a second: new connections get the new pair, open ones
@@ -91,7 +94,8 @@ def serve_command(trust_path: Path, tls_cert: Path, tls_key: Path, host: str, po
     try:
         # Verdicts from the cache are answered on the event loop; with quarantine marks to read, never.
         cached = verifier.cached if config.quarantine is None else None
-        serve(settings, certificate, webhook_checks(config, verifier.verify), _policy(config), log, cached=cached)
+        serve(settings, certificate, webhook_checks(config, verifier.verify), _policy(config), log, cached=cached,
+              metrics=WebhookMetrics(cache_stats=verifier.cache_stats))
     except OSError as err:
         echo(f"error: admission serve: cannot serve on {host}:{port}: {err.strerror or err}", err=True)
         sys.exit(ExitCode.FAILED)

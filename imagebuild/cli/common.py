@@ -5,6 +5,7 @@ import functools
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -271,3 +272,77 @@ def trust_config_option(trust_path: Path | None, keys: tuple[Path, ...]) -> Trus
     if not path.is_file():
         raise InputError(str(path), None, "", f"no such trust config (give {TRUST_FLAG} FILE or --key PUB)")
     return trust.load_trust_config(path)
+
+
+# --- metrics: what a run tells Prometheus ---------------------------------------------------------------------
+
+Grouping = tuple[tuple[str, str], ...]
+_metrics: dict[str, Any] = {"base": (), "groups": {}}  # the running command's figures (one command per process)
+
+
+def metrics_scope(**grouping: str) -> None:
+    """The Pushgateway group (and textfile) this run's figures belong to, e.g. release=<state repository>."""
+    _metrics["base"] = tuple(sorted(grouping.items()))
+
+
+def release_scope(config: Any) -> None:
+    """The group of a run over a release file: the release is known by its state repository."""
+    metrics_scope(release=f"{config.state_registry}/{config.state_repository}")
+
+
+def record_figures(families: list[Any], **grouping: str) -> None:
+    """Figures (metrics.figures.Family) of this run, for the scope's group, or a group within it (channel=...)."""
+    key = tuple(sorted({**dict(_metrics["base"]), **grouping}.items()))
+    _metrics["groups"].setdefault(key, []).extend(families)
+
+
+def exports_figures(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The command's figures, and how it ended (exit code, duration), go where `imagebuild --metrics-*` (or
+    IMAGEBUILD_METRICS_TEXTFILE_DIR / IMAGEBUILD_METRICS_PUSHGATEWAY) says, however the command ends. Goes
+    inside reports_input_errors, so that it sees the error itself."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.time()
+            code = 0
+            _metrics.update(base=(), groups={})  # one command per process, but tests invoke many in one
+            try:
+                return func(*args, **kwargs)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                raise
+            except BaseException as err:
+                code = exit_code_of(err)
+                raise
+            finally:
+                _export_figures(command, started, code)
+
+        return wrapper
+
+    return decorate
+
+
+def _export_figures(command: str, started: float, code: int) -> None:
+    options = click.get_current_context().find_root().meta.get("imagebuild.metrics") or {}
+    if not options.get("textfile_dir") and not options.get("pushgateway"):
+        return
+    if not _metrics["base"] and not _metrics["groups"]:
+        return  # stopped before it knew its release (bad input): no group to tell
+    from imagebuild.metrics.export import MetricsTarget, export
+    from imagebuild.metrics.figures import Run, run_figures
+
+    target = MetricsTarget(options.get("textfile_dir"), options.get("pushgateway"))
+    groups: dict[Grouping, list[Any]] = _metrics["groups"] or {_metrics["base"]: []}
+    run = run_figures(Run(command, int(code), started, time.time()))
+    for key, figures in groups.items():
+        for where in export(target, f"imagebuild_{command}", dict(key), figures, run,
+                            warn=lambda line: echo(f"warning: {line}", err=True)):
+            echo(f"metrics: {where}", err=True)
+
+
+def policy_figures(policy: Any) -> list[Any]:
+    """When each exception of a vulnerability policy (checks.gate.Policy) stops counting."""
+    from imagebuild.metrics.figures import ExceptionFact, exception_figures
+
+    return exception_figures(ExceptionFact(e.id, e.owner, e.expires) for e in policy.exceptions)

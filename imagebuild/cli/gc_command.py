@@ -9,7 +9,16 @@ from typing import Any
 import click
 from rich.table import Table
 
-from imagebuild.cli.common import echo, format_option, reports_input_errors, safe_cells, stdout
+from imagebuild.cli.common import (
+    echo,
+    exports_figures,
+    format_option,
+    record_figures,
+    release_scope,
+    reports_input_errors,
+    safe_cells,
+    stdout,
+)
 from imagebuild.cli.rollout_command import _load, release_option, state_dir_option
 from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
@@ -37,6 +46,7 @@ def _duration(value: str) -> float:
 @format_option("table", "json")
 @click.pass_context
 @reports_input_errors
+@exports_figures("gc")
 def gc_group(ctx: click.Context, release_path: Path, keep_releases: int, record_retention: str, dry_run: bool,
              settle_s: float, state_dir: Path, output_format: str) -> None:
     """Delete what no channel, rollback, quarantine or kept release needs, from every region and the state repository.
@@ -67,16 +77,19 @@ def gc_group(ctx: click.Context, release_path: Path, keep_releases: int, record_
     if ctx.invoked_subcommand is not None:
         ctx.obj = {"release_path": release_path, "output_format": output_format}
         return
+    from imagebuild.metrics.figures import gc_figures
     from imagebuild.retention import gc
     from imagebuild.retention.state import Retention
     from imagebuild.rollout.reconciler import Timing
 
     config = _load(release_path)
+    release_scope(config)
     options = gc.GcOptions(retention=Retention(keep_releases, _duration(record_retention)), apply=not dry_run,
                            state_dir=state_dir, timing=Timing(settle_s=settle_s))
     plan, run = gc.collect_garbage(config, options, on_event=lambda line: echo(line, err=True))
     report = {"release": str(release_path), "mode": "dry-run" if dry_run else "apply", **plan.to_dict(),
               "deleted": run.deleted, "archived": run.archived}
+    record_figures(gc_figures(report))
     if output_format == "json":
         click.echo(json.dumps(report, indent=2))
     else:

@@ -13,7 +13,11 @@ from rich.table import Table
 from imagebuild.checks import scan as scanning
 from imagebuild.cli.common import (
     echo,
+    exports_figures,
     format_option,
+    policy_figures,
+    record_figures,
+    release_scope,
     reports_input_errors,
     safe_cells,
     stdout,
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
 @state_dir_option
 @format_option("table", "json")
 @reports_input_errors
+@exports_figures("rescan")
 def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offline: bool, db_repository: str | None,
                    out: Path, today: dt.datetime | None, state_dir: Path, output_format: str) -> None:
     """Scan every image behind a channel tag again, with today's DB; quarantine those that now fail the gate.
@@ -67,13 +72,15 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
     """
     from imagebuild.checks.gate import parse_policy
     from imagebuild.core.source import load_document
+    from imagebuild.metrics.figures import rescan_figures
     from imagebuild.rollout import quarantine, rescan
     from imagebuild.rollout.state import RolloutError
 
     if offline and db_repository:
         raise InputError("--db-repository", None, "", "--offline uses the DB in --cache-dir and downloads nothing")
     config = _load(release_path)
-    parse_policy(load_document(policy_path))
+    release_scope(config)
+    policy = parse_policy(load_document(policy_path))
     options = scanning.ScanOptions(workdir=out, dockerfiles=out, cache_dir=cache_dir.resolve(), offline=offline,
                                    db_repository=db_repository)
     unreachable: dict[str, str] = {}
@@ -86,6 +93,7 @@ def rescan_command(release_path: Path, policy_path: Path, cache_dir: Path, offli
         # exits): rescan has always ended such a run with 1, and keeps doing so.
         exc.exit_code = ExitCode.FAILED
         raise
+    record_figures([*rescan_figures([r.to_dict() for r in results], unreachable), *policy_figures(policy)])
     notifier = _notifier(config)
     for r in results:
         if r.status in ("quarantined", "still-quarantined"):

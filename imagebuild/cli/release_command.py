@@ -17,9 +17,13 @@ from imagebuild.cli.common import (
     builders_and_jobs,
     builders_option,
     echo,
+    exports_figures,
     format_option,
     matrix_option,
+    metrics_scope,
     only_option,
+    policy_figures,
+    record_figures,
     report_at,
     reports_input_errors,
     revision_option,
@@ -87,6 +91,7 @@ def checked_scan_source(offline: bool, db_repository: str | None) -> None:
 @trust_file_option("With --push-to: the trust config push verifies against [default: policies/trust.yaml].")
 @format_option("table", "json")
 @reports_input_errors
+@exports_figures("release")
 def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | None, jobs: int | None,
                     builders_path: Path | None, workdir: Path,
                     dockerfiles: Path | None, secret_overrides: tuple[str, ...], secret_dirs: tuple[str, ...],
@@ -120,6 +125,7 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     from imagebuild.cli.sign_command import signing_options
     from imagebuild.config.matrix import load_matrix
     from imagebuild.core.source import load_document
+    from imagebuild.metrics.figures import release_figures
 
     selection = Selection.parse(only)
     if registry is not None:
@@ -129,11 +135,12 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     checked_scan_source(offline, db_repository)
     builders, jobs_at_once = builders_and_jobs(builders_path, jobs)
     matrix = with_registry(load_matrix(matrix_path), registry)
+    metrics_scope(repository=f"{matrix.registry}/{matrix.repository}")
     from imagebuild.build import scheduler as building
 
     lane = building.SecretLane.from_settings(secret_dirs, secret_env)
     building.check_secret_lane(matrix, lane, building.parse_secret_overrides(secret_overrides))
-    parse_policy(load_document(policy_path))  # bad policy: exit 2 before anything is built
+    policy = parse_policy(load_document(policy_path))  # bad policy: exit 2 before anything is built
     sign_options = signing_options(key, False, None, None, None, None, None, None, False, (), 300)
     trust = None
     if push_to is not None:
@@ -153,12 +160,22 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     report_at(workdir / "build-report.json")
     run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
     summary = run.summary()
+    record_figures([*release_figures(_report(workdir), summary), *policy_figures(policy)])
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
     else:
         print_release(summary)
     if summary["status"] != "released":
         sys.exit(ExitCode.FAILED)
+
+
+def _report(workdir: Path) -> dict[str, Any]:
+    """The build report as the run left it, for its figures (an unreadable one has none)."""
+    try:
+        data = json.loads((workdir / "build-report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 _STYLE = {Outcome.DONE.value: "green", Outcome.REUSED.value: "cyan", Outcome.FAILED.value: "bold red",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from imagebuild.cli.common import reports_input_errors
+from imagebuild.cli.common import exports_figures, record_figures, release_scope, reports_input_errors
 from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
 
@@ -51,6 +51,22 @@ def _runtime(config: Any = None) -> Runtime:
 
         runtime = dataclasses.replace(runtime, notify=Notifier(config.notify))
     return runtime
+
+
+def _observed(config: Any) -> Runtime:
+    """_runtime(), telling the command's metrics each channel's figures from the record the run leaves."""
+    from dataclasses import replace
+
+    waves = [wave.name for wave in config.waves]
+
+    def on_record(record: Any) -> None:
+        from imagebuild.metrics.figures import rollout_figures
+
+        for channel in record.get("channels") or ():
+            record_figures(rollout_figures(record, str(channel), waves), channel=str(channel))
+
+    release_scope(config)
+    return replace(_runtime(config), on_record=on_record)
 
 
 def _finish(action: Any, runtime: Runtime | None = None) -> None:
@@ -134,6 +150,7 @@ def _variant_image(workdir: Path, variant_id: str) -> str:
               help="A channel tag to move (repeat); each must be listed under the release's channels.")
 @state_dir_option
 @reports_input_errors
+@exports_figures("rollout")
 def start_command(release_path: Path, image: str | None, variant_id: str | None, workdir: Path | None,
                   channels: tuple[str, ...], state_dir: Path) -> None:
     """Plan the waves and run them: copy, verify, move the tags, pass the gates, next wave.
@@ -150,7 +167,7 @@ def start_command(release_path: Path, image: str | None, variant_id: str | None,
     if image is not None and "@sha256:" not in image:
         raise InputError("--image", None, "", f"'{image[:100]}' is not by digest (REF@sha256:...)")
     config = _load(release_path)
-    runtime = _runtime(config)
+    runtime = _observed(config)
 
     def action() -> int:
         source = image if image is not None else _variant_image(workdir or Path("."), variant_id or "")
@@ -172,12 +189,13 @@ def _rollout_id(rollout_id: str) -> str:
 @release_option
 @state_dir_option
 @reports_input_errors
+@exports_figures("rollout")
 def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     """Finish a rollout from its recorded state (after a kill, a halt or an outage); no step runs twice."""
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    runtime = _runtime(config)
+    runtime = _observed(config)
     _finish(lambda: rollout.resume(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 
@@ -186,12 +204,13 @@ def resume_command(rollout_id: str, release_path: Path, state_dir: Path) -> None
 @release_option
 @state_dir_option
 @reports_input_errors
+@exports_figures("rollout")
 def abort_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     """Stop a rollout before its next step (tags already moved stay; `rollback` puts them back)."""
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    runtime = _runtime(config)
+    runtime = _observed(config)
     _finish(lambda: rollout.abort(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 
@@ -214,6 +233,7 @@ def approve_command(rollout_id: str, wave: str, release_path: Path, state_dir: P
 @release_option
 @state_dir_option
 @reports_input_errors
+@exports_figures("rollout")
 def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> None:
     """Point every tag the rollout moved back at its recorded previous digest, last wave first.
 
@@ -223,7 +243,7 @@ def rollback_command(rollout_id: str, release_path: Path, state_dir: Path) -> No
     from imagebuild.rollout import reconciler as rollout
 
     config = _load(release_path)
-    runtime = _runtime(config)
+    runtime = _observed(config)
     _finish(lambda: rollout.rollback(config, _rollout_id(rollout_id), state_dir, _out, runtime), runtime)
 
 

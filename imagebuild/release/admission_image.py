@@ -87,7 +87,7 @@ class Pin:
 
 
 # What `imagebuild admission serve` imports besides the standard library, and what those need:
-# pyproject.toml's click, pyyaml, httpx, cryptography and h11, at versions inside its ranges, with
+# pyproject.toml's click, pyyaml, httpx, cryptography, h11 and prometheus-client, at versions inside its ranges, with
 # the packages pip resolves for them (tests/test_admission_image.py checks both). Hashes are of the
 # wheels for Debian 12's CPython 3.11 on x86-64 (manylinux) or of the pure-Python wheel. Not here:
 # docker, jinja2, rich and isal, which only the build, scan and sign side of imagebuild imports.
@@ -102,6 +102,7 @@ WEBHOOK_REQUIREMENTS = (
     Pin("httpx", "0.28.1", "d909fcccc110f8c7faf814ca82a9a4d816bc5a6dbfea25d6591d6985b8ba59ad"),
     Pin("idna", "3.20", "ab7ae7122974553370f0bdb919e1a960b2cd1bc1ef0276416d896db81c14582c"),
     Pin("pycparser", "3.12", "a076f3f489b39b43ed13563a1dafe42447445bec2e294154ec5c57fcdda4c85e"),
+    Pin("prometheus-client", "0.26.0", "fa93d06737aa02bacd05794768508bb97d2fbee28cb3bca04eaae92f0ca953d6"),
     Pin("pyyaml", "6.0.4", "622aa875fa6533f25fedcffe23079357d65a690d462200afed5d8e9d0e01ebee"),
     Pin("typing-extensions", "4.16.0", "481caa481374e813c1b176ada14e97f1f67a4539ce9cfeb3f350d78d6370c2e8"),
 )

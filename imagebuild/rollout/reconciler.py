@@ -125,6 +125,8 @@ class Runtime:
     timing: Timing = field(default_factory=Timing)
     hook: StepHook | None = None
     notify: Notify | None = None
+    # Shown the record as the run leaves it, however it ends (the command's metrics are made from it).
+    on_record: Callable[[RolloutRecord], None] | None = None
 
 
 class _Halt(ImagebuildError):
@@ -743,6 +745,8 @@ def _run(config: ReleaseConfig, trust: TrustConfig, journal: Journal, lease: Cha
         raise
     finally:
         reconciler.close()
+        if runtime.on_record is not None:
+            runtime.on_record(journal.record)
 
 
 def _reopen(config: ReleaseConfig, rollout_id: str, local_dir: Path,

@@ -724,6 +724,14 @@ class _Reads:
         return {tag: found for tag, found in self._manifests.items() if isinstance(found, tuple)}
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """A Verifier's verdict cache since it started: verdicts answered from it, and verifications made."""
+
+    hits: int
+    misses: int
+
+
 class Verifier:
     """Verifies images against one TrustConfig. Thread-safe: the webhook calls it from many threads.
 
@@ -743,6 +751,7 @@ class Verifier:
         self._registries = Registries(timeout=timeout_s, retry=QUICK_RETRIES)
         self._cache: dict[tuple[str, str], tuple[float, ImageVerdict]] = {}
         self._in_flight: dict[tuple[str, str], Future[ImageVerdict]] = {}
+        self._hits = self._misses = 0  # under _lock
         self._pool: ThreadPoolExecutor | None = None  # the concurrent reads of each verification
         # Checks already made over given bytes, by content digest: the same signature or envelope
         # (push reads it in the source, then again in the target; the webhook sees one image in many
@@ -808,7 +817,13 @@ class Verifier:
             return None
         with self._lock:
             hit = self._fresh(self._registry(ref.registry), ref.repository, ref.digest)
+            if hit is not None:
+                self._hits += 1
         return None if hit is None else replace(hit, image=image)
+
+    def cache_stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses)
 
     def _covers(self, ref: ImageRef) -> bool:
         """The trust config covers the image as it is spelled (any of the names it may be pulled by)."""
@@ -889,9 +904,11 @@ class Verifier:
         with self._lock:
             hit = self._fresh(registry, repository, digest)
             if hit is not None:
+                self._hits += 1
                 return hit
             pending = self._in_flight.get(cache_key)
             if pending is None:
+                self._misses += 1
                 future: Future[ImageVerdict] = Future()
                 self._in_flight[cache_key] = future
         if pending is not None:

@@ -232,13 +232,61 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+class Pushgateway:
+    """A real Prometheus Pushgateway (Debian's prometheus-pushgateway) on a free loopback port, no persistence."""
+
+    def __init__(self, workdir: Path, binary: str | None = None):
+        self.binary = binary or shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
+        self.workdir = workdir
+        self.log_path = workdir / "pushgateway.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def start(self, timeout_s: float = 30) -> Pushgateway:
+        if not Path(self.binary).exists():
+            raise HarnessError("prometheus-pushgateway is not installed (Debian: apt-get install --no-install-recommends "
+                               "prometheus-pushgateway; scripts/bootstrap.sh installs it)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # the free port may be taken between choosing and binding it
+            self.address = f"127.0.0.1:{free_port()}"
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen([self.binary, f"--web.listen-address={self.address}"],
+                                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                preexec_fn=_die_with_parent)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and self.process.poll() is None:
+                with contextlib.suppress(OSError, ValueError):
+                    with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as answer:  # noqa: S310
+                        if answer.status == 200:
+                            return self
+                time.sleep(0.1)
+            self.stop()
+        raise HarnessError(f"the Pushgateway did not start; log:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
 class Prometheus:
     """A real Prometheus on a free loopback port, scraping `targets` every second."""
 
-    def __init__(self, workdir: Path, targets: list[str], binary: str | None = None):
+    def __init__(self, workdir: Path, targets: list[str], binary: str | None = None,
+                 scrape_configs: list[dict] | None = None, rule_files: list[Path] | None = None):
         self.binary = binary or find_prometheus()
         self.workdir = workdir
         self.targets = targets
+        self.scrape_configs = scrape_configs or []  # more jobs, as Prometheus's configuration writes them
+        self.rule_files = rule_files or []
         self.log_path = workdir / "prometheus.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -249,7 +297,8 @@ class Prometheus:
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": SCRAPE_JOB, "honor_labels": True,
-                                "static_configs": [{"targets": self.targets}]}],
+                                "static_configs": [{"targets": self.targets}]}, *self.scrape_configs],
+            "rule_files": [str(path) for path in self.rule_files],
         }))
         for _ in range(3):  # the free port may be taken between choosing and binding it
             port = free_port()
