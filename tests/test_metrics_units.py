@@ -27,6 +27,8 @@ from imagebuild.metrics.figures import (
     rollout_figures,
     run_figures,
 )
+from imagebuild.metrics.sizes import platform_of, pulled_bytes
+from imagebuild.oci.names import BadName
 from imagebuild.trust.verify import CacheStats
 
 DIGEST = "sha256:" + "a" * 64
@@ -123,11 +125,10 @@ def test_a_release_tells_per_variant_its_stage_seconds_layers_and_findings():
             "smoke": {"duration_s": 12.0},
             "scan": {"duration_s": 40.0, "counts": {"vulnerabilities": {"CRITICAL": 1, "HIGH": 2},
                                                     "misconfigurations": {"HIGH": 0}, "secrets": 0}},
-            "gate": {"counts": {"blocked": 0, "excepted": 1, "ignored-unfixed": 2, "below-threshold": 5}}},
-            "image_sizes": {"linux/amd64": 123456}}],
+            "gate": {"counts": {"blocked": 0, "excepted": 1, "ignored-unfixed": 2, "below-threshold": 5}}}}],
     }
     summary = {"variants": [{"id": "cpu", "status": "released"}, {"id": "gpu", "status": "failed"}]}
-    figures = release_figures(report, summary)
+    figures = release_figures(report, summary, {"cpu": {"linux/amd64": 123456}})
     assert samples(figures, "variant_released") == {labels(variant="cpu"): 1, labels(variant="gpu"): 0}
     assert samples(figures, "stage_duration_seconds") == {
         labels(variant="cpu", stage="build"): 4.5,  # its chain's built layer only
@@ -369,3 +370,37 @@ def test_the_webhooks_metrics_name_no_image_and_no_namespace():
                     0.01)
     text = metrics.exposition().decode()
     assert "secret" not in text and "unsigned" not in text
+
+
+# --- image sizes from manifests --------------------------------------------------------------------------------
+
+
+def descriptor(size: object, digest: str = DIGEST) -> dict:
+    return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": size}
+
+
+def test_an_image_pulls_its_config_and_its_layers():
+    assert pulled_bytes({"config": descriptor(100), "layers": [descriptor(2000), descriptor(30000)]}) == 32100
+
+
+@pytest.mark.parametrize("manifest", [
+    {"config": descriptor(-1), "layers": []},
+    {"config": descriptor(True), "layers": []},
+    {"config": descriptor(None), "layers": []},
+    {"config": descriptor(1, digest="sha256:../../etc"), "layers": []},
+    {"layers": [descriptor(1)]},
+])
+def test_a_manifest_whose_sizes_cannot_be_trusted_is_refused(manifest):
+    with pytest.raises(BadName, match="size|digest|not an object|no size"):
+        pulled_bytes(manifest)
+
+
+@pytest.mark.parametrize(("entry", "platform"), [
+    ({"platform": {"os": "linux", "architecture": "amd64"}}, "linux/amd64"),
+    ({"platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}}, "linux/arm64/v8"),
+    ({"platform": {"os": "unknown", "architecture": "unknown"}}, None),  # BuildKit's attestation manifest
+    ({"platform": "linux/amd64"}, None),
+    ({}, None),
+])
+def test_an_index_entry_names_its_platform_or_is_no_runnable_image(entry, platform):
+    assert platform_of(entry) == platform

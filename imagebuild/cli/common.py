@@ -323,9 +323,15 @@ def exports_figures(command: str) -> Callable[[Callable[..., Any]], Callable[...
     return decorate
 
 
+def metrics_wanted() -> bool:
+    """Whether this run's figures go anywhere (work done only for them can be skipped otherwise)."""
+    options = click.get_current_context().find_root().meta.get("imagebuild.metrics") or {}
+    return bool(options.get("textfile_dir") or options.get("pushgateway"))
+
+
 def _export_figures(command: str, started: float, code: int) -> None:
     options = click.get_current_context().find_root().meta.get("imagebuild.metrics") or {}
-    if not options.get("textfile_dir") and not options.get("pushgateway"):
+    if not metrics_wanted():
         return
     if not _metrics["base"] and not _metrics["groups"]:
         return  # stopped before it knew its release (bad input): no group to tell

@@ -21,6 +21,7 @@ from imagebuild.cli.common import (
     format_option,
     matrix_option,
     metrics_scope,
+    metrics_wanted,
     only_option,
     policy_figures,
     record_figures,
@@ -160,7 +161,8 @@ def release_command(matrix_path: Path, only: tuple[str, ...], registry: str | No
     report_at(workdir / "build-report.json")
     run.run(matrix, selection, rev, created, "sha256:" + hashlib.sha256(matrix_path.read_bytes()).hexdigest())
     summary = run.summary()
-    record_figures([*release_figures(_report(workdir), summary), *policy_figures(policy)])
+    report = _report(workdir)
+    record_figures([*release_figures(report, summary, _sizes(report)), *policy_figures(policy)])
     if output_format == "json":
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -176,6 +178,21 @@ def _report(workdir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _sizes(report: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Each built variant's compressed bytes per platform, from its manifests (only when figures are asked for)."""
+    if not metrics_wanted():
+        return {}
+    from imagebuild.metrics.sizes import image_sizes
+    from imagebuild.oci.client import Registries
+
+    sizes = {}
+    with Registries() as registries:
+        for variant in report.get("variants") or []:
+            if isinstance(variant, dict) and isinstance(variant.get("image"), str) and "@" in variant["image"]:
+                sizes[str(variant.get("id"))] = image_sizes(registries, variant["image"], variant.get("platforms") or [])
+    return sizes
 
 
 _STYLE = {Outcome.DONE.value: "green", Outcome.REUSED.value: "cyan", Outcome.FAILED.value: "bold red",

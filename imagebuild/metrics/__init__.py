@@ -1,5 +1,6 @@
 """Pipeline metrics: what `release`, `rollout`, `rescan` and `gc` tell Prometheus (`figures`: pure, from the
-records those commands write), and where it goes (`export`: a node-exporter textfile or a Pushgateway).
+records those commands write; `sizes`: an image's compressed bytes from its manifests), and where it goes
+(`export`: a node-exporter textfile or a Pushgateway).
 
 May import: core, oci.
 """

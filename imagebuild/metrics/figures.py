@@ -91,9 +91,11 @@ def _number(value: Any) -> float | None:
 # --- release: the build report --------------------------------------------------------------------------------
 
 
-def release_figures(report: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> list[Family]:
+def release_figures(report: Mapping[str, Any], summary: Mapping[str, Any] | None = None,
+                    sizes: Mapping[str, Mapping[str, int]] | None = None) -> list[Family]:
     """Per variant: released or not (the release run's summary), seconds per stage, layers of its chain by
-    what the run did with them, image bytes per platform, vulnerabilities by severity, blocking findings."""
+    what the run did with them, image bytes per platform (`sizes`: variant -> platform -> bytes, read from
+    the registry by metrics.sizes), findings by kind and severity, the gate's verdict counts."""
     released = Family("variant_released", "1 when the variant passed every stage of its last release run.")
     for variant in _dicts((summary or {}).get("variants")):
         if vid := _text(variant.get("id")):
@@ -126,7 +128,7 @@ def release_figures(report: Mapping[str, Any], summary: Mapping[str, Any] | None
             stage = stages.get(name)
             if isinstance(stage, Mapping) and (value := _number(stage.get("duration_s"))) is not None:
                 seconds.add(value, variant=vid, stage=name)
-        for platform, nbytes in _sizes(variant):
+        for platform, nbytes in sorted((sizes or {}).get(vid, {}).items()):
             size.add(nbytes, variant=vid, platform=platform)
         scan = stages.get("scan")
         scan_counts = _mapping(_mapping(scan).get("counts"))
@@ -149,14 +151,6 @@ _KINDS = {"vulnerabilities": "vulnerability", "misconfigurations": "misconfigura
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
-
-
-def _sizes(variant: Mapping[str, Any]) -> Iterable[tuple[str, float]]:
-    sizes = variant.get("image_sizes")
-    if isinstance(sizes, Mapping):
-        for platform, nbytes in sorted(sizes.items()):
-            if isinstance(platform, str) and (value := _number(nbytes)) is not None:
-                yield platform, value
 
 
 def _dicts(value: Any) -> list[Mapping[str, Any]]:

@@ -19,7 +19,7 @@ from .certs import Authority
 from .conftest import REGIONS, STAGING, require_registry
 from .rollout_harness import HealthServer, Prometheus, Pushgateway, free_port
 from .test_rollout import Setup, rollout_id_of
-from .tools import bootstrap_key
+from .tools import bootstrap_key, crane
 
 pytestmark = pytest.mark.e2e
 
@@ -183,3 +183,15 @@ def test_a_halted_rollout_and_its_rollback_write_the_figures_the_alerts_read(tmp
     status = {labels["status"]: value for labels, value in rolled_back["imagebuild_rollout_status"]}
     assert status["rolled-back"] == 1
     assert {value for _, value in rolled_back["imagebuild_rollout_region_moved"]} == {0}
+
+
+def test_an_images_size_is_what_its_manifest_says_a_node_pulls(observed):
+    from imagebuild.metrics.sizes import image_sizes
+    from imagebuild.oci.client import Registries
+
+    image = observed["signed"]
+    manifest = json.loads(crane("manifest", image))
+    expected = manifest["config"]["size"] + sum(layer["size"] for layer in manifest["layers"])
+    with Registries() as registries:
+        assert image_sizes(registries, image, ["linux/amd64"]) == {"linux/amd64": expected}
+        assert image_sizes(registries, image.split("@")[0] + "@sha256:" + "0" * 64, ["linux/amd64"]) == {}
