@@ -10,6 +10,7 @@ from imagebuild.core.source import InputError
 from imagebuild.release import harbor, harbor_gc
 
 from .harbor_standin import HarborSpec, HarborStandIn
+from .harbor_standin.server import Reply
 
 WHERE = "http://127.0.0.1:1/api/v2.0/system/gc/7"
 PASSWORD = "Canary-Gc-Pw-5d1e"
@@ -181,3 +182,11 @@ def test_a_conflict_whose_run_ends_before_it_is_listed_starts_a_run_after_all(st
         result = harbor_gc.run_gc(harbor_client, Clock().wait())
     assert result.started and result.run.status == "Success"
     assert [r.status for r in standin.requests if r.operation == "createGCSchedule"] == [409, 201]
+
+
+def test_an_answer_about_another_run_is_refused_naming_the_request(standin):
+    # A Harbor (or a proxy's cache) answering GET /system/gc/{id} with another run: never reported as ours.
+    standin._op_getGC = lambda **_: Reply(200, {"id": 999, "job_status": "Success"})
+    with client(standin) as harbor_client, pytest.raises(InputError, match=r"/system/gc/1: id: Harbor answered run 999"):
+        harbor_gc.run_gc(harbor_client, Clock().wait())
+    assert standin.violations == []
