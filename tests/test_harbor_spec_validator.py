@@ -170,3 +170,13 @@ def test_the_stand_in_answers_an_invalid_request_400_and_records_it():
         assert len(standin.violations) == 2 and "no such path" in standin.violations[1]
     finally:
         standin.stop()
+
+
+def test_gc_parameters_may_hold_booleans_but_the_schedule_stays_closed(spec):
+    # LOOSE_VALUES: Harbor's GC handler reads booleans from Schedule.parameters, which its description types as objects.
+    manual = {"schedule": {"type": "Manual"}, "parameters": {"dry_run": True, "delete_untagged": False}}
+    assert spec.definition_errors("Schedule", manual, request=True) == []
+    assert spec.definition_errors("Schedule", {**manual, "parameters": [True]}, request=True) != []
+    assert spec.definition_errors("Schedule", {**manual, "dry_run": True}, request=True) != []
+    assert spec.definition_errors("Schedule", {"schedule": {"type": "Now"}}, request=True) != []
+    assert spec.definition_errors("Schedule", {**manual, "id": 3}, request=True) != []  # read-only

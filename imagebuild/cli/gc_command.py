@@ -19,6 +19,7 @@ from imagebuild.cli.common import (
     safe_cells,
     stdout,
 )
+from imagebuild.cli.harbor_command import ca_option, password_file_option, retries_option, username_option
 from imagebuild.cli.rollout_command import _load, release_option, state_dir_option
 from imagebuild.core.errors import ExitCode
 from imagebuild.core.source import InputError
@@ -73,6 +74,7 @@ def gc_group(ctx: click.Context, release_path: Path, keep_releases: int, record_
       imagebuild gc --release release.yaml                              # what would go, and the bytes
       imagebuild gc --release release.yaml --keep-releases 5 --apply --format json
       imagebuild gc --release release.yaml sweep --config /etc/docker/registry/config.yml
+      imagebuild gc sweep --harbor https://harbor.example.com --dry-run
     """
     if ctx.invoked_subcommand is not None:
         ctx.obj = {"release_path": release_path, "output_format": output_format}
@@ -117,27 +119,75 @@ def _print(report: dict[str, Any]) -> None:
         echo(f"deleted {len(report['deleted'])} manifest(s); archived {len(report['archived'])} record(s)")
 
 
+# sweep's options that only --harbor reads: parameter -> option
+_HARBOR_ONLY = {"harbor_dry_run": "--dry-run", "delete_untagged": "--delete-untagged", "timeout_s": "--timeout-s",
+                "ca_bundle": "--ca-bundle", "password_file": "--password-file", "retries": "--retries"}
+
+
 @gc_group.command("sweep")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="The registry's Distribution config.yml (filesystem storage).")
 @click.option("--registry-binary", default="docker-registry", show_default=True,
               help="Distribution's `registry` (Debian names it docker-registry).")
+@click.option("--harbor", "harbor_url", default=None, metavar="URL",
+              help="Instead of --config: run Harbor's own GC through its API, e.g. https://harbor.example.com.")
+@click.option("--dry-run", "harbor_dry_run", is_flag=True,
+              help="(--harbor) Harbor's dry run: it reports what it would free and deletes nothing.")
+@click.option("--delete-untagged", is_flag=True, help="(--harbor) Harbor also deletes untagged artifacts.")
+@click.option("--timeout-s", type=click.FloatRange(min=1), default=3600.0, show_default=True,
+              help="(--harbor) How long to wait for Harbor's GC run to end.")
+@click.option("--poll-s", type=click.FloatRange(min=0), default=5.0, show_default=True, hidden=True)
+@ca_option
+@username_option
+@password_file_option
+@retries_option
+@click.option("--format", "sweep_format", type=click.Choice(("table", "json")), default=None,
+              help="Output for people (table) or machines [default: gc's --format].")
 @click.pass_obj
+@click.pass_context
 @reports_input_errors
-def sweep_command(obj: dict[str, Any], config_path: Path, registry_binary: str) -> None:
-    """Run the registry's own garbage collection after `gc --apply`: stopped or read-only registries only.
+def sweep_command(ctx: click.Context, obj: dict[str, Any], config_path: Path | None, registry_binary: str,
+                  harbor_url: str | None, harbor_dry_run: bool, delete_untagged: bool, timeout_s: float,
+                  poll_s: float, ca_bundle: Path | None, username: str | None, password_file: Path | None,
+                  retries: int, sweep_format: str | None) -> None:
+    """Run the registry's own garbage collection after `gc --apply`: Distribution's, or Harbor's.
 
+    With --config: Distribution's `garbage-collect`, for stopped or read-only registries only.
     Refuses a registry that accepts uploads (probed at its http.addr): a blob pushed during the
     sweep could be deleted under the manifest that names it. Reports the blobs and bytes of its
     storage before and after.
 
+    With --harbor: Harbor's GC through its API (a Harbor system administrator; HARBOR_USERNAME,
+    and HARBOR_PASSWORD or --password-file, as for `imagebuild harbor`). Harbor keeps serving
+    while it collects. A GC already running in Harbor is waited on and reported instead of a new
+    one. Reports the run's ID, its status and the tail of its log. Exit 1 when the run ends in
+    Error or Stopped, or is still running after --timeout-s; 3 when Harbor cannot be reached or
+    refuses the credentials.
+
     \b
     Examples:
       imagebuild gc sweep --config /var/lib/imagebuild/registries/eu-west/config.yml
+      export HARBOR_USERNAME=admin HARBOR_PASSWORD=...
+      imagebuild gc sweep --harbor https://harbor.example.com --dry-run
+      imagebuild gc sweep --harbor https://harbor.example.com --delete-untagged --format json
     """
     from imagebuild.core.runner import Runner
     from imagebuild.retention import gc
 
+    output_format = sweep_format or obj.get("output_format")
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+    harbor_only = [option for name, option in _HARBOR_ONLY.items() if name in given]
+    if (config_path is None) == (harbor_url is None):
+        raise InputError("--config", None, "", "give exactly one of --config CONFIG (Distribution) or --harbor URL")
+    if harbor_url is not None:
+        if "registry_binary" in given:
+            raise InputError("--registry-binary", None, "", "is for --config (Distribution), not --harbor")
+        _harbor_sweep(harbor_url, harbor_dry_run, delete_untagged, timeout_s, poll_s, ca_bundle, username,
+                      password_file, retries, output_format)
+        return
+    assert config_path is not None
+    if harbor_only:
+        raise InputError(harbor_only[0], None, "", "is for --harbor, not --config")
     if not config_path.is_file():
         raise InputError("--config", None, str(config_path), "no such file")
     try:
@@ -145,11 +195,42 @@ def sweep_command(obj: dict[str, Any], config_path: Path, registry_binary: str) 
     except FileNotFoundError:
         echo(f"{registry_binary}: not found (Debian: apt install docker-registry)", err=True)
         sys.exit(ExitCode.ENVIRONMENT)
-    if obj.get("output_format") == "json":
+    if output_format == "json":
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         echo(f"{result.registry}: {result.before[0]} blob(s), {result.before[1] / 1e6:.1f} MB before; "
              f"{result.after[0]}, {result.after[1] / 1e6:.1f} MB after; freed {result.freed_bytes / 1e6:.1f} MB")
+
+
+def _harbor_sweep(url: str, dry_run: bool, delete_untagged: bool, timeout_s: float, poll_s: float,
+                  ca_bundle: Path | None, username: str | None, password_file: Path | None, retries: int,
+                  output_format: str | None) -> None:
+    from imagebuild.cli.harbor_command import _ca, _checked_url, _harbor_failures, credentials_from
+    from imagebuild.release import harbor, harbor_gc
+    from imagebuild.rollout.reconciler import Timing
+
+    try:
+        base_url = _checked_url(url)
+    except InputError as err:
+        raise InputError("--harbor", None, "", err.message) from None
+    credentials = credentials_from(username, password_file)
+    timing = Timing()
+    wait = harbor_gc.GcWait(sleep=timing.sleep, clock=timing.clock, poll_s=poll_s, timeout_s=timeout_s)
+    with _harbor_failures(), harbor.HarborClient(base_url, credentials, ca_bundle=_ca(ca_bundle),
+                                                 retries=retries) as client:
+        result = harbor_gc.run_gc(client, wait, delete_untagged=delete_untagged, dry_run=dry_run,
+                                  hide=(credentials.password,), on_event=lambda line: echo(line, err=True))
+    if output_format == "json":
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        run = result.run
+        mode = " (dry run)" if run.dry_run else ""
+        how = "started" if result.started else "was already running; waited on it"
+        echo(f"Harbor {result.harbor_version} at {result.url}: GC run {run.id}{mode} {how}: {run.status}")
+        for line in result.log:
+            echo(f"  {line}")
+    if not result.ok:
+        sys.exit(ExitCode.FAILED)
 
 
 __all__ = ["gc_group"]

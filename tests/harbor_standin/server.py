@@ -1,8 +1,8 @@
 """A Harbor API v2.0 stand-in: a real HTTP(S) server with in-memory state, for the tests only.
 
 Harbor itself cannot run on the test machines. This double serves the operations imagebuild
-uses (projects, immutable tag rules, robot accounts, artifacts with their scan overview, ping
-and systeminfo) with Harbor's behaviour where the client depends on it: basic auth, Harbor's
+uses (projects, immutable tag rules, robot accounts, artifacts with their scan overview, ping,
+systeminfo, and manual GC runs with their status and log) with Harbor's behaviour where the client depends on it: basic auth, Harbor's
 error body (`{"errors": [{"code", "message"}]}`), X-Request-Id, names and secrets as Harbor
 forms them. Every request and every response goes through `HarborSpec` (spec.py); whatever
 Harbor's description does not allow is answered 400 (for a request) and recorded in
@@ -10,7 +10,9 @@ Harbor's description does not allow is answered 400 (for a request) and recorded
 recorded too, so a client that starts calling a new one must extend the stand-in first.
 
 Faults are injected with `inject()`: the next requests are answered with a status (5xx, 429)
-as Harbor or the reverse proxy in front of it would, to test retries.
+as Harbor or the reverse proxy in front of it would, to test retries. GC runs: each GET of a
+run moves it on (Pending, then Running for `gc_running_polls` reads, then `gc_outcome`); `start_gc()`
+makes one already running, as a schedule or another admin would. Nothing is deleted: the log reports.
 """
 from __future__ import annotations
 
@@ -153,6 +155,10 @@ class HarborStandIn:
         self.rules: dict[int, list[dict[str, Any]]] = {}  # project id -> immutable rules
         self.robots: dict[int, dict[str, Any]] = {}  # id -> robot, secret included
         self.artifacts: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (project, repository)
+        self.gc_runs: dict[int, dict[str, Any]] = {}
+        self.gc_outcome = "Success"  # how the next runs end: Success, Error or Stopped
+        self.gc_running_polls = 2  # reads of a run that find it Running before it ends
+        self.gc_log_extra: list[str] = []  # lines every GC log gets (a test's canaries)
         self._ids = itertools.count(1)
         self._faults: list[Injected] = []
         self._server: ThreadingHTTPServer | None = None
@@ -239,6 +245,13 @@ class HarborStandIn:
                 if repo_hit and tag_hit:
                     return True
             return False
+
+    def start_gc(self, *, dry_run: bool = False) -> int:
+        """A GC run already running in Harbor (scheduled, or started by someone else): its ID."""
+        with self.lock:
+            run = self._new_gc_run({"delete_untagged": False, "dry_run": dry_run}, "Schedule")
+            run.update(job_status="Running", _polls=1)
+            return int(run["id"])
 
     def robot_named(self, full_name: str) -> dict[str, Any] | None:
         with self.lock:
@@ -493,6 +506,73 @@ class HarborStandIn:
         if robot is None:
             raise HarborFault(404, "NOT_FOUND", f"robot {robot_id} not found")
         return robot
+
+    # -- garbage collection --------------------------------------------------------------
+
+    def _new_gc_run(self, parameters: dict[str, Any], trigger: str) -> dict[str, Any]:
+        # Harbor's job_parameters: the policy's attributes, its Redis URL (with a password) among them.
+        settings = {**parameters, "redis_url_reg": "redis://:Redis-Canary-Pw-31@redis:6379/1?idle_timeout_seconds=30",
+                    "time_window": 2}
+        # job_kind is the execution's trigger as Harbor writes it (MANUAL, SCHEDULE); Harbor puts the same
+        # word in schedule.type, outside its own enum, so the stand-in answers the enum's spelling there.
+        run = {"id": next(self._ids), "job_name": "GARBAGE_COLLECTION", "job_kind": trigger.upper(),
+               "job_parameters": json.dumps(settings), "schedule": {"type": trigger}, "job_status": "Pending",
+               "deleted": False, "creation_time": _now(), "update_time": _now(), "_polls": 0,
+               "_dry_run": bool(parameters.get("dry_run"))}
+        self.gc_runs[run["id"]] = run
+        return run
+
+    def _gc_view(self, run: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in run.items() if not k.startswith("_")}
+
+    def _op_createGCSchedule(self, body: dict[str, Any], **_: Any) -> Reply:
+        kind = (body.get("schedule") or {}).get("type")
+        if kind != "Manual":
+            raise HarborFault(400, "BAD_REQUEST", f"the stand-in serves manual GC runs only, not {kind!r}")
+        if any(run["job_status"] in ("Pending", "Running") for run in self.gc_runs.values()):
+            raise HarborFault(409, "CONFLICT", "a garbage collection job is already running")
+        run = self._new_gc_run(dict(body.get("parameters") or {}), "Manual")
+        return Reply(201, headers={"Location": f"/api/v2.0/system/gc/{run['id']}"})
+
+    def _op_getGCHistory(self, query: dict[str, str], **_: Any) -> Reply:
+        if "q" in query or "sort" in query:
+            raise HarborFault(400, "BAD_REQUEST", "the stand-in lists GC runs newest first, without q or sort")
+        page, size = int(query.get("page", 1)), int(query.get("page_size", 10))
+        runs = sorted(self.gc_runs.values(), key=lambda r: -r["id"])
+        rows = [self._gc_view(r) for r in runs[(page - 1) * size:page * size]]
+        return Reply(200, rows, {"X-Total-Count": str(len(runs))})
+
+    def _op_getGC(self, path: dict[str, str], **_: Any) -> Reply:
+        run = self._gc_run(path["gc_id"])
+        # Each read moves the run on, so a client polling it sees Pending, Running, then the end.
+        # The first read finds it Pending, the next gc_running_polls Running, the one after ended.
+        run["_polls"] += 1
+        if run["job_status"] in ("Pending", "Running"):
+            if run["_polls"] > 1 + self.gc_running_polls:
+                run.update(job_status=self.gc_outcome, update_time=_now())
+            elif run["_polls"] > 1:
+                run["job_status"] = "Running"
+        return Reply(200, self._gc_view(run))
+
+    def _op_getGCLog(self, path: dict[str, str], **_: Any) -> Reply:
+        run = self._gc_run(path["gc_id"])
+        if run["job_status"] == "Pending":
+            raise HarborFault(404, "NOT_FOUND", f"garbage collection {run['id']} log is not found")
+        lines = [f"{run['creation_time']} [INFO] [garbage_collection.go]: start to run gc in job.",
+                 *self.gc_log_extra,
+                 f"{run['creation_time']} [INFO] [garbage_collection.go]: 3 blobs and 1 manifests eligible for deletion",
+                 f"{run['creation_time']} [INFO] [garbage_collection.go]: The GC job actual frees up 12 MB space."]
+        if run["_dry_run"]:
+            lines[-1] = f"{run['creation_time']} [INFO] [garbage_collection.go]: dry run: nothing was deleted"
+        if run["job_status"] == "Error":
+            lines.append(f"{run['update_time']} [ERROR] [garbage_collection.go]: failed to delete blob: storage error")
+        return Reply(200, text="\n".join(lines) + "\n")
+
+    def _gc_run(self, gc_id: str) -> dict[str, Any]:
+        run = self.gc_runs.get(int(gc_id))
+        if run is None:
+            raise HarborFault(404, "NOT_FOUND", f"garbage collection {gc_id} not found")
+        return run
 
     # -- artifacts -----------------------------------------------------------------------
 

@@ -37,6 +37,14 @@ METHODS = ("get", "put", "post", "delete", "options", "head", "patch")
 MIDDLEWARE_STATUSES = {401, 403}
 
 
+# Where Harbor's description is narrower than Harbor itself, named with the reason; each loosened value
+# may hold any JSON value, and nothing else about its definition changes.
+LOOSE_VALUES = {
+    ("Schedule", "parameters"): "go-swagger reads `additionalProperties: {type: object}` as interface{}, and "
+                                "Harbor's GC handler wants booleans there (parameters[\"dry_run\"].(bool)), as its UI sends",
+}
+
+
 class SpecViolation(Exception):
     """A request or response that Harbor's API description does not allow."""
 
@@ -76,6 +84,8 @@ class HarborSpec:
             self.document: dict[str, Any] = yaml.load(handle, Loader=loader)  # noqa: S506 -- a safe loader
         self.base_path: str = self.document.get("basePath", "")
         definitions = self.document["definitions"]
+        for (name, prop) in LOOSE_VALUES:
+            definitions[name]["properties"][prop]["additionalProperties"] = {}
         self._request_defs = {name: _convert(schema, request=True) for name, schema in definitions.items()}
         self._response_defs = {name: _convert(schema, request=False) for name, schema in definitions.items()}
         self._routes = self._build_routes()
