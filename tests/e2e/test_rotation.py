@@ -4,7 +4,8 @@ Two rollouts leave a channel tag and a rollback target in every region, signed a
 key; a replaced seed is signed by the old key only. The new key is added to the trust file,
 `imagebuild sign --resign` re-signs what gc keeps, the old key is retired: every live digest still
 verifies (its attestation attested again by the new key), the old-only image is refused, and a rerun
-re-signs nothing.
+re-signs nothing. policy-controller's own evaluator (its tester) is given the ClusterImagePolicy that
+`imagebuild policies generate` writes from the trust file at each step and must agree.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from imagebuild.config.trust import load_trust_config
 from imagebuild.retention.rotation import new_key_only
@@ -20,6 +22,8 @@ from imagebuild.trust.verify import Verifier
 
 from ..conftest import REPO_ROOT
 from .test_gc import ONE_WAVE, roll_out, seed
+from .test_policy_tester import evaluate, generate
+from .test_policy_tester import policy_tester as policy_tester  # noqa: F401 (the fixture, shared)
 from .test_rollout import Setup, registries_up  # noqa: F401 - registries_up: the same autouse check
 from .tools import KEYS, Cosign, bootstrap_key, tool
 
@@ -40,7 +44,18 @@ def trust_with(setup: Setup, *keys: str) -> None:
     trust.write_text("\n".join([lines[0], f"keys: [{listed}]", *lines[1:]]) + "\n")
 
 
-def test_a_rotation_re_signs_what_is_live_and_after_retiring_the_old_key_only_the_old_only_image_is_refused(tmp_path):
+def cluster_image_policy(setup: Setup, step: str) -> Path:
+    """What `imagebuild policies generate` writes from the trust file as it stands now. Its webhook image is
+    left out: only the ClusterImagePolicy is evaluated, and a named one would have to exist to be pinned."""
+    folder = setup.tmp_path / step
+    folder.mkdir()
+    kept = [line for line in (setup.tmp_path / "trust.yaml").read_text().splitlines() if not line.startswith("webhook:")]
+    (folder / "trust.yaml").write_text("\n".join(kept) + "\n")
+    return generate(folder / "trust.yaml", folder / "admission")
+
+
+def test_a_rotation_re_signs_what_is_live_and_after_retiring_the_old_key_only_the_old_only_image_is_refused(
+        tmp_path, policy_tester):  # noqa: F811 - the fixture imported above
     cosign = Cosign(tool("cosign"))
     old = bootstrap_key()
     made = cosign.run("generate-key-pair", "--output-key-prefix", str(tmp_path / "new"), password=NEW_PASSWORD)
@@ -68,16 +83,25 @@ def test_a_rotation_re_signs_what_is_live_and_after_retiring_the_old_key_only_th
         assert done[f"{host}/{setup.repository}@{c1}"]["attested"] == ["smoke"]
         assert done[f"{host}/{setup.repository}@{c0}"]["signed"] is True
     assert not any(seeded[region] in image for region in seeded for image in done), "the replaced seed is not live"
+    both = cluster_image_policy(setup, "both-keys")
+    host = setup.regions["eu-west"]
+    assert evaluate(policy_tester, both, f"{host}/{setup.repository}@{seeded['eu-west']}").admitted  # old key only
+    assert evaluate(policy_tester, both, f"{host}/{setup.repository}@{c1}").admitted  # and re-signed
 
     trust_with(setup, str(tmp_path / "new.pub"))  # the old key retired
     trust = load_trust_config(setup.tmp_path / "trust.yaml")
+    retired = cluster_image_policy(setup, "old-key-retired")
+    for image in done:  # every live digest, on the new key's signature alone
+        assert evaluate(policy_tester, retired, image).admitted, image
     with Verifier(trust, cache_ttl_seconds=0) as verifier:
         for region, host in setup.regions.items():
             for digest in (c1, c0):
                 verdict = verifier.verify(f"{host}/{setup.repository}@{digest}")
                 assert verdict.allowed and verdict.key == "key-0", verdict.reason
-            old_only = verifier.verify(f"{host}/{setup.repository}@{seeded[region]}")
-            assert not old_only.allowed
+            old_only = f"{host}/{setup.repository}@{seeded[region]}"
+            assert not verifier.verify(old_only).allowed
+            refused = evaluate(policy_tester, retired, old_only)
+            assert not refused.admitted and "sig-key-0" in refused.output, refused.output
             smoke = verifier.inspect(f"{host}/{setup.repository}@{c1}").attestations[PREDICATE_SMOKE]
             assert smoke.key == "key-0" and smoke.predicate == {"passed": True, "tests": 3}
     host = setup.regions["eu-west"]
