@@ -33,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "notify": frozenset({"core", "oci", "config"}),  # what rollouts and quarantines tell: events pure, sends in threads
     "retention": frozenset({"core", "oci", "config", "trust", "rollout"}),
     "metrics": frozenset({"core", "oci"}),  # figures from records as dicts; the exporters send through oci.retry
-    "admission": frozenset({"core", "oci", "config", "trust", "rollout"}),
+    "admission": frozenset({"core", "oci", "config", "checks", "trust", "rollout"}),
     "cli": frozenset({"core", "oci", "config", "build", "checks", "trust", "release", "rollout", "retention",
                       "admission", "kube", "notify", "metrics"}),
 }

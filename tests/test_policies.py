@@ -264,9 +264,12 @@ def test_block_severity_alone_requires_the_vuln_report_and_a_passed_gate(tmp_pat
     assert "['CRITICAL']" in ivp["validations"][-1]["expression"]
 
 
+@pytest.mark.parametrize("require", ["{attestations: [provenance, release], gate_passed: true}",
+                                     "{vex_current: true, gate_passed: true}"])
 @pytest.mark.parametrize("name", sorted(CRD_OF))
-def test_policies_requiring_provenance_validate_against_their_crds(tmp_path: Path, name: str) -> None:
-    files = generated(write_config(tmp_path, require="{attestations: [provenance, release], gate_passed: true}"))
+def test_policies_requiring_provenance_or_a_current_vex_validate_against_their_crds(tmp_path: Path, name: str,
+                                                                                    require: str) -> None:
+    files = generated(write_config(tmp_path, require=require))
     jsonschema.validate(document(files, name), crd_schema(*CRD_OF[name]))
 
 
@@ -829,3 +832,46 @@ def test_a_glob_host_is_normalised_and_only_https_hosts_get_443() -> None:
     assert [str(s) for s in policies.spellings("**")] == ["**"]
     # A hostless spelling never starts a Kyverno pattern with a wildcard (it would cover every registry).
     assert not [p for p in policies.kyverno_patterns(["docker.io/**", "*/library/*"]) if p.startswith("*:")]
+
+
+# --- require.vex_current ---------------------------------------------------------------------------
+
+
+def test_vex_current_judges_each_statement_s_last_day_and_image_at_admission(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{vex_current: true}"))
+    cip = document(files, policies.CLUSTER_IMAGE_POLICY)["spec"]
+    [entry] = authority(cip, "att-")["attestations"]
+    assert (entry["name"], entry["predicateType"]) == ("openvex", "https://openvex.dev/ns/v0.2.0")
+    rego = entry["policy"]["data"]
+    assert entry["policy"]["type"] == "rego" and rego.startswith("package sigstore\n")
+    # Today is the admission's (the rego's clock), the last day counts until UTC midnight after it.
+    assert 'time.parse_ns("2006-01-02", s["imagebuild:expires"]) + 86400000000000' in rego
+    assert "time.now_ns() <" in rego and "not stale" in rego
+    # Every statement's one product is this very image: the signed subject's digest.
+    assert "@sha256%3A\", input.subject[j].digest.sha256" in rego and "not elsewhere" in rego
+
+    verify = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"][0]["verifyImages"][0]
+    [attestation] = verify["attestations"]
+    [condition] = attestation["conditions"][0]["all"]
+    assert attestation["type"] == "https://openvex.dev/ns/v0.2.0"
+    assert (condition["operator"], condition["value"]) == ("Equals", 0)
+    assert condition["key"] == ("{{ length(statements[?!time_before(time_now_utc(), time_add(time_parse("
+                                "'2006-01-02', \"imagebuild:expires\"), '24h'))]) }}")
+
+
+def test_an_openvex_attestation_required_without_vex_current_only_needs_to_be_there(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{attestations: [openvex]}"))
+    [entry] = authority(document(files, policies.CLUSTER_IMAGE_POLICY)["spec"], "att-")["attestations"]
+    assert entry == {"name": "openvex", "predicateType": "https://openvex.dev/ns/v0.2.0"}
+    verify = document(files, policies.KYVERNO_CLUSTER_POLICY)["spec"]["rules"][0]["verifyImages"][0]
+    assert "conditions" not in verify["attestations"][0]
+    assert all("time_now_utc" not in text and "time.now_ns" not in text for text in files.values())
+
+
+def test_the_kyverno_files_say_what_of_vex_current_they_cannot_check(tmp_path: Path) -> None:
+    files = generated(write_config(tmp_path, require="{vex_current: true}"))
+    assert "this very digest is not checked here" in files[policies.KYVERNO_CLUSTER_POLICY]
+    assert "only that the openvex attestation is there" in files[policies.KYVERNO_IMAGE_VALIDATING_POLICY]
+    without = generated(write_config(tmp_path / "without", require="{attestations: [openvex]}"))
+    assert all("vex_current" not in text.split("\n---\n")[0] for name, text in without.items()
+               if name != policies.WEBHOOK_MANIFESTS)

@@ -2,5 +2,5 @@
 of quarantine marks (`quarantine`), and generated admission policies and manifests (`policies`, pure; the
 webhook's image pinned by digest in `webhook_image`).
 
-May import: core, oci, config, trust, rollout.
+May import: core, oci, config, checks (the OpenVEX keys the policies read), trust, rollout.
 """
