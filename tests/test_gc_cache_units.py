@@ -114,6 +114,8 @@ def test_an_untagged_manifest_only_a_dead_signature_names_goes_before_the_signat
     (lambda r: setattr(r.layers[0], "kind", "wheel"), "layers[0].kind"),
     (lambda r: setattr(r.layers[0], "key", "abc"), "layers[0].key"),
     (lambda r: setattr(r.variants[0], "chain", ["f" * 64]), "variants[0].chain[0]"),
+    (lambda r: setattr(r.variants[0], "chain", None), "variants[0].chain"),
+    (lambda r: setattr(r.variants[0], "chain", [["a"]]), "variants[0].chain[0]"),
     (lambda r: setattr(r.variants[0], "digest", "latest"), "variants[0].digest"),
     (lambda r: setattr(r.variants[0], "children", [ChildImage("linux/amd64", "x")]), "variants[0].children[0]"),
 ])

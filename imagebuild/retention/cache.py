@@ -74,8 +74,10 @@ def cache_live(plan_tags: Mapping[str, str], reports: Iterable[tuple[str, BuildR
                 live.layers.setdefault(base, f"built on by {why}")  # a parent in the cache (a root's is elsewhere)
         for n, variant in enumerate(report.variants):
             why = f"variant {names.escaped(variant.id, 80)} in {where}"
+            if not isinstance(variant.chain, list):
+                raise InputError(where, None, f"variants[{n}].chain", "is not a list of layer keys")
             for m, key in enumerate(variant.chain):
-                if key not in kinds:
+                if not isinstance(key, str) or key not in kinds:
                     raise InputError(where, None, f"variants[{n}].chain[{m}]", "names no layer of the report")
                 live.tags.setdefault(names.layer_cache_tag(kinds[key], key), f"chain of {why}")
             digest = _digest(variant.digest, where, f"variants[{n}].digest")
