@@ -23,6 +23,7 @@ from imagebuild.build.render import render_template
 from imagebuild.config.matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
 from imagebuild.config.support import DEFAULT_PLATFORM
 from imagebuild.core.source import InputError, PathKey, suggest
+from imagebuild.oci import names
 from imagebuild.oci.compression import DEFAULT as DEFAULT_COMPRESSION
 from imagebuild.oci.compression import Compression
 
@@ -67,7 +68,7 @@ class Layer:
     @property
     def cache_tag(self) -> str:
         """Tag of this layer's image in the cache repository."""
-        return f"{self.kind}-{self.key[:32]}"
+        return names.layer_cache_tag(self.kind, self.key)
 
 
 @dataclass(frozen=True)

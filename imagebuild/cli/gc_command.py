@@ -13,9 +13,11 @@ from imagebuild.cli.common import (
     echo,
     exports_figures,
     format_option,
+    matrix_option,
     record_figures,
     release_scope,
     reports_input_errors,
+    revision_option,
     safe_cells,
     stdout,
 )
@@ -74,10 +76,11 @@ def gc_group(ctx: click.Context, release_path: Path, keep_releases: int, record_
       imagebuild gc --release release.yaml                              # what would go, and the bytes
       imagebuild gc --release release.yaml --keep-releases 5 --apply --format json
       imagebuild gc --release release.yaml sweep --config /etc/docker/registry/config.yml
+      imagebuild gc cache --matrix matrix.yaml --report work/build-report.json   # the layer cache, staging
       imagebuild gc sweep --harbor https://harbor.example.com --dry-run
     """
     if ctx.invoked_subcommand is not None:
-        ctx.obj = {"release_path": release_path, "output_format": output_format}
+        ctx.obj = {"release_path": release_path, "output_format": output_format, "state_dir": state_dir}
         return
     from imagebuild.metrics.figures import gc_figures
     from imagebuild.retention import gc
@@ -231,6 +234,79 @@ def _harbor_sweep(url: str, dry_run: bool, delete_untagged: bool, timeout_s: flo
             echo(f"  {line}")
     if not result.ok:
         sys.exit(ExitCode.FAILED)
+
+
+@gc_group.command("cache")
+@matrix_option
+@click.option("--report", "report_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              metavar="WORKDIR/build-report.json",
+              help="A build report whose variants and layers stay too (repeatable): a build still in use.")
+@revision_option
+@click.option("--dry-run/--apply", "dry_run", default=True, show_default=True,
+              help="Say what would go (the default), or delete it.")
+@click.option("--format", "cache_format", type=click.Choice(("table", "json")), default=None,
+              help="Output for people (table) or machines [default: gc's --format].")
+@click.pass_obj
+@reports_input_errors
+def cache_command(obj: dict[str, Any], matrix_path: Path, report_paths: tuple[Path, ...], revision: str | None,
+                  dry_run: bool, cache_format: str | None) -> None:
+    """Delete the layer images and staging images no current variant and no given build report needs.
+
+    The matrix's layer-cache repository (cache_repository) keeps every layer whose content key
+    the current plan computes (`imagebuild plan` lists them; base images named by tag are
+    resolved, as a build does, and --revision gives the release layers' keys as for `build`),
+    every layer and chain a --report names, and every tag that is not a content key
+    (`<kind>-<32 hex>`) nor cosign's: a person's. Its other content-key tags go. The staging
+    release repository (repository) keeps every tag but cosign's, and the digests a --report's
+    variants name; what no tag or report names goes. Both keep what hangs off what stays
+    (index children, signatures, attestations, SBOMs, referrers); the rest is deleted by
+    digest, each manifest before what hangs off it. Run it while no build of an older revision
+    pushes: a layer it pushes meanwhile to a dead digest goes with it. Blobs stay until
+    `imagebuild gc sweep --config` runs the registry's own garbage collection.
+
+    Exit 0 when done; 1 when a deletion failed (a rerun finishes); 2 on bad input; 3 when the
+    registry cannot be reached.
+
+    \b
+    Examples:
+      imagebuild gc cache --matrix matrix.yaml                           # what would go, and the bytes
+      imagebuild gc cache --matrix matrix.yaml --report work/build-report.json --apply --format json
+    """
+    from imagebuild.build import scheduler as building
+    from imagebuild.cli.common import _revision
+    from imagebuild.config.matrix import load_matrix
+    from imagebuild.core.report import BuildReport
+    from imagebuild.oci.client import ImageRef
+    from imagebuild.retention import gc
+    from imagebuild.retention.cache import cache_live
+
+    output_format = cache_format or obj.get("output_format")
+    rev, created = _revision(revision)
+    the_plan = building.prepare(load_matrix(matrix_path), rev, created)
+    plan_tags = {layer.cache_tag: f"layer {layer.path} ({layer.platform}) of the current plan"
+                 for layer in the_plan.layers.values()}
+    live = cache_live(plan_tags, [(str(path), BuildReport.read(path)) for path in report_paths])
+    cache, release = ImageRef.parse(the_plan.cache_ref), ImageRef.parse(the_plan.repository_ref)
+    options = gc.GcOptions(apply=not dry_run, state_dir=obj.get("state_dir") or Path(".imagebuild/rollouts"))
+    plan, run = gc.collect_cache_garbage(cache.registry, {"cache": cache.repository, "release": release.repository},
+                                         live, options, on_event=lambda line: echo(line, err=True))
+    report = {"matrix": str(matrix_path), "revision": rev, "reports": [str(p) for p in report_paths],
+              "mode": "dry-run" if dry_run else "apply", **plan.to_dict(), "deleted": run.deleted}
+    if output_format == "json":
+        click.echo(json.dumps(report, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    for column in ("role", "repository", "tags", "manifests", "live", "dead"):
+        table.add_column(column, overflow="fold")
+    for repository in report["repositories"]:
+        table.add_row(*safe_cells(repository["role"], f"{repository['registry']}/{repository['repository']}",
+                                  repository["tags"], repository["manifests"], repository["live"],
+                                  len(repository["dead"])))
+    stdout.print(table)
+    for registry in report["registries"]:
+        echo(f"{registry['registry']}: {registry['manifests']} manifest(s); `gc sweep` then frees at most "
+             f"{registry['blobs']} blob(s), {registry['bytes'] / 1e6:.1f} MB")
+    echo("dry run: nothing was deleted (--apply deletes)" if dry_run else f"deleted {len(run.deleted)} manifest(s)")
 
 
 __all__ = ["gc_group"]

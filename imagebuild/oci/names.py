@@ -28,6 +28,10 @@ REPOSITORY = re.compile(rf"{COMPONENT}(?:/{COMPONENT})*")
 PROJECT = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")
 NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label
 _TAG, _REPOSITORY = TAG, REPOSITORY
+# A layer image's tag in the cache repository: its kind and the first 32 hex digits of its content key
+# (build.plan). `gc cache` tells these from a person's tags by this pattern.
+LAYER_CACHE_KINDS = ("base", "cuda", "python", "paddle", "extra", "release")
+LAYER_CACHE_TAG = re.compile(rf"(?:{'|'.join(LAYER_CACHE_KINDS)})-[0-9a-f]{{32}}")
 _ESCAPED_LIMIT = 200  # characters of a refused value quoted in a message
 
 
@@ -56,6 +60,15 @@ def is_sha256_digest(value: object) -> TypeGuard[str]:
 
 def is_tag(value: object) -> bool:
     return isinstance(value, str) and _TAG.fullmatch(value) is not None
+
+
+def layer_cache_tag(kind: str, key: str) -> str:
+    """The cache repository's tag of the layer image `kind` with content key `key`."""
+    return f"{kind}-{key[:32]}"
+
+
+def is_layer_cache_tag(value: object) -> bool:
+    return isinstance(value, str) and LAYER_CACHE_TAG.fullmatch(value) is not None
 
 
 def is_repository(value: object) -> bool:

@@ -29,6 +29,7 @@ from imagebuild.core.errors import ExitCode, ImagebuildError
 from imagebuild.core.source import Reader, load_document, safe_text
 from imagebuild.oci import names
 from imagebuild.oci.client import INDEX_TYPES, Registry, RegistryError, RegistryUnreachable
+from imagebuild.retention.cache import CacheLive
 from imagebuild.retention.live import (
     Blob,
     Collection,
@@ -37,6 +38,7 @@ from imagebuild.retention.live import (
     RepositoryView,
     collect,
     cosign_tag_subject,
+    is_root_tag,
     reclaimable,
 )
 from imagebuild.retention.state import (
@@ -228,37 +230,47 @@ class GcPlan:
 
     def reclaim(self) -> dict[str, Reclaim]:
         """What each region registry's garbage collection frees at most, once the dead manifests are gone."""
-        by_registry: dict[str, list[Collection]] = {}
-        for collection in self.collections.values():
-            by_registry.setdefault(collection.view.registry, []).append(collection)
-        return {registry: reclaimable(group) for registry, group in sorted(by_registry.items())}
+        return reclaim_by_registry(self.collections.values())
 
     def to_dict(self) -> dict[str, Any]:
         reclaim = self.reclaim()
-        regions = []
-        for name, collection in self.collections.items():
-            view = collection.view
-            dead_tags: dict[str, list[str]] = {}
-            for tag, digest in collection.dead_tags.items():
-                dead_tags.setdefault(digest, []).append(tag)
-            regions.append({
-                "region": name, "registry": view.registry, "repository": view.repository, "tags": len(view.tags),
-                "manifests": len(view.manifests), "live": len(collection.live),
-                "kept": [{"digest": d, "why": why} for d, why in collection.live.items() if d in view.manifests],
-                "dead": [{"digest": d, "media_type": view.manifests[d].media_type, "tags": dead_tags.get(d, [])}
-                         for d in collection.dead]})
         return {
             "retention": {"keep_releases": self.retention.keep_releases,
                           "record_retention_s": self.retention.record_retention_s},
-            "regions": regions,
-            "registries": [{"registry": r, "manifests": x.manifests, "blobs": x.blobs, "bytes": x.bytes}
-                           for r, x in reclaim.items()],
-            "reclaimable_bytes": sum(x.bytes for x in reclaim.values()),
+            "regions": [{"region": name, **collection_record(c)} for name, c in self.collections.items()],
+            **reclaim_record(reclaim),
             "state": {"registry": self.config.state_registry, "repository": self.config.state_repository,
                       "records": len(self.state.records), "kept_records": dict(sorted(self.judgement.kept_records.items())),
                       "compacted_records": list(self.judgement.compacted_records),
                       "compacted_markers": list(self.compact_markers), "compacted_leases": list(self.compact_leases)},
         }
+
+
+def collection_record(collection: Collection) -> dict[str, Any]:
+    """One repository judged, as the report gives it: counts, what stays and why, what goes with its tags."""
+    view = collection.view
+    dead_tags: dict[str, list[str]] = {}
+    for tag, digest in collection.dead_tags.items():
+        dead_tags.setdefault(digest, []).append(tag)
+    return {"registry": view.registry, "repository": view.repository, "tags": len(view.tags),
+            "manifests": len(view.manifests), "live": len(collection.live),
+            "kept": [{"digest": d, "why": why} for d, why in collection.live.items() if d in view.manifests],
+            "dead": [{"digest": d, "media_type": view.manifests[d].media_type, "tags": dead_tags.get(d, [])}
+                     for d in collection.dead]}
+
+
+def reclaim_by_registry(collections: Iterable[Collection]) -> dict[str, Reclaim]:
+    """retention.live.reclaimable for each registry's repositories together (its garbage collection is global)."""
+    by_registry: dict[str, list[Collection]] = {}
+    for collection in collections:
+        by_registry.setdefault(collection.view.registry, []).append(collection)
+    return {registry: reclaimable(group) for registry, group in sorted(by_registry.items())}
+
+
+def reclaim_record(reclaim: Mapping[str, Reclaim]) -> dict[str, Any]:
+    return {"registries": [{"registry": r, "manifests": x.manifests, "blobs": x.blobs, "bytes": x.bytes}
+                           for r, x in reclaim.items()],
+            "reclaimable_bytes": sum(x.bytes for x in reclaim.values())}
 
 
 def plan_gc(config: ReleaseConfig, store: StateStore, registries: Mapping[str, Registry], retention: Retention,
@@ -336,17 +348,9 @@ def collect_garbage(config: ReleaseConfig, options: GcOptions,
         plan = plan_gc(config, store, registries, options.retention, options.timing.clock())
         if not options.apply:
             return plan, run
+        assert lease is not None
         for name, collection in plan.collections.items():
-            region = config.region(name)
-            tags_of: dict[str, list[str]] = {}
-            for tag, digest in collection.dead_tags.items():
-                tags_of.setdefault(digest, []).append(tag)
-            for digest in collection.dead:
-                assert lease is not None
-                lease.renew()
-                entry = {"region": name, "registry": region.registry, "repository": region.repository,
-                         "digest": digest, "tags": tags_of.get(digest, [])}
-                _delete(registries[name], region.repository, digest, entry, run, options)
+            _delete_dead(registries[name], collection, {"region": name}, run, options, lease.renew)
             on_event(f"{name}: {len(collection.dead)} dead manifest(s) deleted")
         _compact(store, plan, run, options)
         return plan, run
@@ -359,6 +363,53 @@ def collect_garbage(config: ReleaseConfig, options: GcOptions,
         for registry in registries.values():
             registry.close()
         store.registry.close()
+
+
+def _delete_dead(registry: Registry, collection: Collection, entry: dict[str, Any], run: GcRun,
+                 options: GcOptions, renew: Callable[[], None] = lambda: None) -> None:
+    """Every dead manifest of one repository by digest, in retention.live.order (each before what hangs off it)."""
+    tags_of: dict[str, list[str]] = {}
+    for tag, digest in collection.dead_tags.items():
+        tags_of.setdefault(digest, []).append(tag)
+    for digest in collection.dead:
+        renew()
+        _delete(registry, collection.view.repository, digest,
+                {**entry, "registry": collection.view.registry, "repository": collection.view.repository,
+                 "digest": digest, "tags": tags_of.get(digest, [])}, run, options)
+
+
+# --- the build side: the layer cache and the staging release repository (retention.cache) ----------
+
+
+@dataclass
+class CachePlan:
+    live: CacheLive
+    collections: dict[str, Collection]  # "cache", "release" -> that repository judged
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"repositories": [{"role": role, **collection_record(c)} for role, c in self.collections.items()],
+                "live_tags": len(self.live.tags), **reclaim_record(reclaim_by_registry(self.collections.values()))}
+
+
+def collect_cache_garbage(registry_host: str, repositories: Mapping[str, str], live: CacheLive, options: GcOptions,
+                          on_event: Callable[[str], None] = lambda line: None) -> tuple[CachePlan, GcRun]:
+    """Judge (and with options.apply, delete) what a matrix's cache ("cache") and staging release ("release")
+    repositories hold: `repositories` maps each role to its repository on `registry_host`."""
+    run = GcRun()
+    try:
+        with Registry(registry_host) as registry:
+            collections: dict[str, Collection] = {}
+            for role, repository in repositories.items():
+                view = read_view(registry, repository, live.digests)
+                collections[role] = collect(view, live.digests, live.root_tag() if role == "cache" else is_root_tag)
+            plan = CachePlan(live, collections)
+            if options.apply:
+                for role, collection in collections.items():
+                    _delete_dead(registry, collection, {"role": role}, run, options)
+                    on_event(f"{collection.view.where}: {len(collection.dead)} dead manifest(s) deleted")
+            return plan, run
+    except RegistryUnreachable as exc:
+        raise GcError(f"{exc}; run gc again once the registry answers", exit_code=ExitCode.ENVIRONMENT) from None
 
 
 def _compact(store: StateStore, plan: GcPlan, run: GcRun, options: GcOptions) -> None:

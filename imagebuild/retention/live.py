@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from imagebuild.oci.copy import cosign_tag
@@ -88,11 +88,18 @@ def short(digest: str) -> str:
     return digest.split(":", 1)[-1][:12]
 
 
-def collect(view: RepositoryView, roots: Mapping[str, str]) -> Collection:
+def is_root_tag(tag: str) -> bool:
+    """What a region keeps by its tag alone: every tag but cosign's."""
+    return cosign_tag_subject(tag) is None
+
+
+def collect(view: RepositoryView, roots: Mapping[str, str],
+            root_tag: Callable[[str], bool] = is_root_tag) -> Collection:
     """Judge `view`: `roots` maps digests the rollout state keeps to why. Roots missing from the registry
-    keep nothing (and are not an error: a rollback target in one region may never have reached another)."""
+    keep nothing (and are not an error: a rollback target in one region may never have reached another).
+    `root_tag` says which tags keep what they name (the cache repository's keeps fewer: retention.cache)."""
     queue: deque[tuple[str, str]] = deque((digest, f"tag {tag}") for tag, digest in sorted(view.tags.items())
-                                          if cosign_tag_subject(tag) is None)
+                                          if root_tag(tag))
     queue.extend(sorted(roots.items()))
     by_subject: dict[str, list[str]] = {}
     for manifest in view.manifests.values():
