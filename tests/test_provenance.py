@@ -313,7 +313,7 @@ def test_the_six_kinds_sign_attaches_and_their_cosign_types():
     # A URI, not cosign's `slsaprovenance1`, which would rename invocationId to invocationID.
     assert attest.PROVENANCE.cosign_type == attest.PROVENANCE.predicate_type == "https://slsa.dev/provenance/v1"
     assert attest.RELEASE.predicate_type == "https://imagebuild.dev/attestations/release/v1"
-    assert set(sign.PREDICATE_FILES) == {k.name for k in attest.KINDS}
+    assert set(sign.PREDICATE_FILES) == {k.name for k in sign.IMAGE_KINDS}  # the six and the OpenVEX document
 
 
 # --- the command line's bad input (no registry needed) ----------------------------------------------

@@ -136,9 +136,10 @@ def sbom_purls(sbom: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
 
 
 def build_document(exceptions: Iterable[AcceptedRisk], *, variant: str, digest: str, name: str, today: dt.date, now: dt.datetime,
-                   purls: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
+                   purls: Mapping[str, tuple[str, ...]], tooling: str = "imagebuild vex attest") -> dict[str, Any]:
     """The OpenVEX document of the image `name@digest` of `variant`: one statement per exception (a policy's)
-    valid `today` that applies to the variant and names a vulnerability."""
+    valid `today` that applies to the variant and names a vulnerability. None applying: no statements (a
+    document still, so that a trust file requiring openvex finds one on every image)."""
     if not _DIGEST.match(digest):
         raise ValueError(f"not a sha256 digest: {digest!r}")
     stamp = now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -164,8 +165,16 @@ def build_document(exceptions: Iterable[AcceptedRisk], *, variant: str, digest: 
         statements.append(statement)
     content = hashlib.sha256(json.dumps(statements, sort_keys=True).encode()).hexdigest()[:16]
     return {"@context": OPENVEX_CONTEXT, "@id": f"https://imagebuild.dev/vex/{variant}/{digest}/{content}",
-            "author": AUTHOR, "timestamp": stamp, "version": 1, "tooling": "imagebuild vex attest",
+            "author": AUTHOR, "timestamp": stamp, "version": 1, "tooling": tooling,
             "statements": statements}
+
+
+def image_document(exceptions: Iterable[AcceptedRisk], *, variant: str, repository: str, digest: str,
+                   sbom: Mapping[str, Any], today: dt.date, now: dt.datetime,
+                   tooling: str = "imagebuild vex attest") -> dict[str, Any]:
+    """build_document for the image `repository@digest`, its packages' purls read from its CycloneDX SBOM."""
+    return build_document(exceptions, variant=variant, digest=digest, name=product_name(repository), today=today,
+                          now=now, purls=sbom_purls(sbom), tooling=tooling)
 
 
 # --- a document read back (untrusted) ------------------------------------------------------------------

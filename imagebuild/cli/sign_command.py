@@ -49,6 +49,9 @@ from imagebuild.trust import sign as signing
               help="Reach this registry over plain http too (loopback registries always are).")
 @click.option("--timeout", "timeout_s", type=click.IntRange(10, 3600), default=300, show_default=True,
               help="Seconds per cosign command.")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The vulnerability policy whose exceptions make each image's OpenVEX attestation "
+                   "[default: the one the gate judged by, as its record names it].")
 @click.option("--resign", is_flag=True,
               help="Key rotation: sign again, with --key, every live digest of --release's regions (what `gc` keeps) "
                    "that verifies now under the trust file, with its attestations.")
@@ -63,15 +66,18 @@ from imagebuild.trust import sign as signing
 def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless: bool, oidc_issuer: str | None,
                  oidc_client_id: str | None, oidc_provider: str | None, identity_token: Path | None,
                  fulcio_url: str | None, rekor_url: str | None, tlog: bool, insecure_registries: tuple[str, ...],
-                 timeout_s: int, resign: bool, release_path: Path | None, trust_path: Path | None,
+                 timeout_s: int, policy_path: Path | None, resign: bool, release_path: Path | None,
+                 trust_path: Path | None,
                  extra_images: tuple[str, ...], output_format: str) -> None:
     """Sign each image of the build report by digest with cosign, and attach its attestations.
 
     Only an image whose smoke tests and gate passed on that very digest is signed; any other
-    is refused, saying why. Six attestations go with each signature: the CycloneDX SBOM, the
+    is refused, saying why. Seven attestations go with each signature: the CycloneDX SBOM, the
     vulnerability report (cosign's vuln predicate), the smoke results, the gate decision
-    with the exceptions it applied, and the release record: SLSA v1 provenance of the build
-    and imagebuild's release predicate (see `imagebuild inspect`). The signature is checked in the registry (the
+    with the exceptions it applied, the policy's exceptions as OpenVEX (no statements when
+    none applies; `imagebuild vex attest` replaces it after a policy change), and the release
+    record: SLSA v1 provenance of the build and imagebuild's release predicate (see
+    `imagebuild inspect`). The signature is checked in the registry (the
     `sha256-<hex>.sig` tag) and recorded in the build report (stages.sign); a rerun skips what
     is still signed, and a signature this key already made for the digest (an earlier run's, in
     another workdir) is reused rather than added again. Exit 1 when any image was refused or failed.
@@ -98,7 +104,7 @@ def sign_command(workdir: Path, only: tuple[str, ...], key: str | None, keyless:
         echo(f"signing {variant.id} ({message})" if event == "start" else f"  {message}", err=True)
 
     report_at(report_path)
-    outcomes = signing.SignRun(report_path, options, cosign, on_event=progress).run(variants)
+    outcomes = signing.SignRun(report_path, options, cosign, on_event=progress, policy=policy_path).run(variants)
     if output_format == "json":
         click.echo(json.dumps({"report": str(report_path), "cosign": cosign.version,
                                "variants": [o.row() for o in outcomes]}, indent=2))

@@ -372,7 +372,9 @@ class ReleaseRun:
 
         cosign = signing.Cosign.find()
         self.on_event(f"sign: {len(ids)} image(s) with cosign {cosign.version}")
-        outcomes = signing.SignRun(self.report_path, self.sign_options, cosign).run(self._variants(ids))
+        # The OpenVEX documents come from the policy the gate stage judged by.
+        outcomes = signing.SignRun(self.report_path, self.sign_options, cosign,
+                                   policy=self.options.policy).run(self._variants(ids))
         for o in outcomes:
             if o.action == "signed":
                 self.work["signed"] += 1

@@ -72,8 +72,9 @@ GATE = AttestationKind("gate", PREDICATE_GATE, PREDICATE_GATE)
 PROVENANCE = AttestationKind("provenance", PREDICATE_PROVENANCE, PREDICATE_PROVENANCE)
 RELEASE = AttestationKind("release", PREDICATE_RELEASE, PREDICATE_RELEASE)
 KINDS: tuple[AttestationKind, ...] = (SBOM, VULN, SMOKE, GATE, PROVENANCE, RELEASE)
-# Not one of `imagebuild sign`'s: the exceptions change on their own schedule, so `imagebuild vex attest`
-# attaches (and replaces) it by itself, and no release record vouches for it.
+# The policy's exceptions as OpenVEX: `imagebuild sign` attaches it with the others (sign.IMAGE_KINDS), but it
+# is not one of KINDS: the exceptions change on their own schedule, `imagebuild vex attest` replaces it by
+# itself, and so no release record vouches for it (its digest would go stale).
 OPENVEX = AttestationKind("openvex", PREDICATE_OPENVEX, PREDICATE_OPENVEX)
 PREDICATE_TYPES: dict[str, str] = {kind.name: kind.predicate_type for kind in (*KINDS, OPENVEX)}
 

@@ -7,7 +7,12 @@ For each selected variant of the build report:
 2. Skip when `stages.sign` already passed for this digest with this key and the signature and
    the attestations are still in the registry (a rerun signs nothing; a deleted signature is
    signed again).
-3. Write the four predicates (attest.py) to WORKDIR/sign/<variant>/.
+3. Write the five predicates (attest.py; the OpenVEX document from checks/vex.py) to WORKDIR/sign/<variant>/.
+   The OpenVEX document holds the exceptions of the gate's policy (the file its record names, or the
+   one the caller gives) valid on the gate's day that apply to the variant, with the purls of the
+   packages they name from the variant's SBOM. When none applies it holds no statements: it is
+   attached all the same, so that a trust file requiring `openvex` (with `vex_current`) admits an
+   image without exceptions. `imagebuild vex attest` replaces it after a policy change.
 4. Reuse the signature when the signature tag (`<repo>:sha256-<hex>.sig`, cosign v2's layout;
    Distribution 2.8 has no Referrers API) already holds one that verifies with this key's
    public half over a simplesigning payload naming this digest (with --tlog, one carrying its
@@ -18,9 +23,9 @@ For each selected variant of the build report:
    digest, then check in the registry that the tag holds a signature whose payload names this
    digest. The record says which (`signature_reused`).
 5. Build the release record (provenance.py): SLSA v1 provenance from the report and the image's
-   labels (read from the registry), and the release predicate from the other four and the
-   signature layout; written beside them.
-6. `cosign attest --replace --type T --predicate FILE` by digest for each of the six predicates,
+   labels (read from the registry), and the release predicate from the other four (not the
+   OpenVEX document, which changes on its own schedule) and the signature layout; written beside them.
+6. `cosign attest --replace --type T --predicate FILE` by digest for each of the seven predicates,
    then check that the `.att` tag holds every predicate type.
 7. Record `stages.sign` (report.SignStage).
 
@@ -37,14 +42,16 @@ may have changed, and --replace keeps them one per type).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from imagebuild.checks import vex
 from imagebuild.config.trust import PublicKey
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import (
@@ -59,7 +66,7 @@ from imagebuild.core.report import (
     record_stage,
 )
 from imagebuild.core.runner import PinnedTool, Result, Runner, cancel_requested, find_pinned
-from imagebuild.core.source import InputError
+from imagebuild.core.source import InputError, load_document
 from imagebuild.oci.client import ImageRef, Registries, Registry, RegistryError, base_url
 from imagebuild.oci.platforms import platform_folder
 from imagebuild.trust import attest, provenance, verify
@@ -81,6 +88,10 @@ BUNDLE_ANNOTATION = "dev.sigstore.cosign/bundle"  # the Rekor entry cosign attac
 _COSIGN_ENV_DROPPED = ("COSIGN_REPOSITORY", "COSIGN_EXPERIMENTAL")
 # What must have passed on a variant's very digest before it is signed (VariantRecord.refusal).
 SIGN_NEEDS = (SmokeStage, GateStage)
+# What sign attests on an image (each child of an index too): attest.KINDS and the OpenVEX document,
+# the release record last (it names what the others are in the registry).
+IMAGE_KINDS: tuple[attest.AttestationKind, ...] = (attest.SBOM, attest.VULN, attest.SMOKE, attest.GATE, attest.OPENVEX,
+                                                   attest.PROVENANCE, attest.RELEASE)
 
 
 class SignError(ImagebuildError):
@@ -411,6 +422,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 # The predicates to attest, by image: None for a variant's only image, else each child's platform.
 Prepared = dict[str | None, dict[str, dict[str, Any]]]
+# A gate record -> the exceptions of the policy it judged by (SignRun.exceptions_of reads the file).
+ExceptionsOf = Callable[[GateStage], Sequence[vex.AcceptedRisk]]
 # (the image's labels, its signature layout) -> its provenance and release predicates.
 ReleaseOf = Callable[[dict[str, str], provenance.SignatureLayout], dict[str, dict[str, Any]]]
 # An index is attested with its provenance and its release record; what was tested, scanned and gated
@@ -418,15 +431,30 @@ ReleaseOf = Callable[[dict[str, str], provenance.SignatureLayout], dict[str, dic
 INDEX_KINDS = (attest.PROVENANCE, attest.RELEASE)
 
 
-def prepare(workdir: Path, report: BuildReport, variant: VariantRecord) -> Prepared:
-    """The four predicates of the variant's image, or of each child of its index, from each one's own records."""
+def prepare(workdir: Path, report: BuildReport, variant: VariantRecord, exceptions_of: ExceptionsOf,
+            now: dt.datetime) -> Prepared:
+    """The five predicates of the variant's image, or of each child of its index, from each one's own records."""
     if not variant.multi_platform:
-        return {None: build_predicates(workdir, variant)}
-    return {c.platform: build_predicates(workdir, report.child_variant(variant, c)) for c in variant.children}
+        return {None: build_predicates(workdir, variant, exceptions_of, now)}
+    return {c.platform: build_predicates(workdir, report.child_variant(variant, c), exceptions_of, now)
+            for c in variant.children}
 
 
-def build_predicates(workdir: Path, variant: VariantRecord) -> dict[str, dict[str, Any]]:
-    """The four predicates of a variant, by attestation name, from its stage records and scan files."""
+def openvex_predicate(exceptions: Sequence[vex.AcceptedRisk], *, variant: VariantRecord, sbom: dict[str, Any],
+                      gate: GateStage, now: dt.datetime) -> dict[str, Any]:
+    """The variant's OpenVEX document: the exceptions valid on the gate's day (today when it recorded none)."""
+    try:
+        day = dt.date.fromisoformat(gate.evaluated_on) if gate.evaluated_on else now.astimezone(dt.timezone.utc).date()
+    except ValueError:
+        raise SignError(f"{variant.id}: the gate record's evaluated_on is not a date: {gate.evaluated_on!r:.40}") from None
+    ref = ImageRef.parse(variant.image or "")
+    return vex.image_document(exceptions, variant=variant.id, repository=ref.repository, digest=variant.digest or "",
+                              sbom=sbom, today=day, now=now, tooling="imagebuild sign")
+
+
+def build_predicates(workdir: Path, variant: VariantRecord, exceptions_of: ExceptionsOf,
+                     now: dt.datetime) -> dict[str, dict[str, Any]]:
+    """The five predicates of a variant, by attestation name, from its stage records, scan files and the gate's policy."""
     digest, image = variant.digest or "", variant.image or ""
     scan = variant.stage(ScanStage)
     smoke = variant.stage(SmokeStage)
@@ -439,16 +467,18 @@ def build_predicates(workdir: Path, variant: VariantRecord) -> dict[str, dict[st
     trivy_path = workdir / scan.reports.get("image", "")
     summary_path = workdir / "scan" / "summary.json"
     db = _read_json(summary_path, "scan summary").get("db") if summary_path.is_file() else None
+    sbom = _read_json(sbom_path, "SBOM")
     try:
         return {
-            attest.SBOM.name: attest.sbom_predicate(_read_json(sbom_path, "SBOM"), digest=digest, variant=variant.id),
+            attest.SBOM.name: attest.sbom_predicate(sbom, digest=digest, variant=variant.id),
             attest.VULN.name: attest.vuln_predicate(_read_json(trivy_path, "Trivy report"), digest=digest,
                                                     variant=variant.id, image=image, scan=scan, db=db),
             attest.SMOKE.name: attest.smoke_predicate(smoke, digest=digest, variant=variant.id,
                                                       tests=junit_tests(smoke.junit)),
             attest.GATE.name: attest.gate_predicate(gate, digest=digest, variant=variant.id),
+            attest.OPENVEX.name: openvex_predicate(exceptions_of(gate), variant=variant, sbom=sbom, gate=gate, now=now),
         }
-    except attest.PredicateError as exc:
+    except (attest.PredicateError, ValueError) as exc:  # ValueError: build_document's digest check
         raise SignError(f"{variant.id}: {exc}") from None
 
 
@@ -466,7 +496,7 @@ def _write_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 PREDICATE_FILES = {attest.SBOM.name: "sbom.cdx.json", attest.VULN.name: "vuln.json",
-                   attest.SMOKE.name: "smoke.json", attest.GATE.name: "gate.json",
+                   attest.SMOKE.name: "smoke.json", attest.GATE.name: "gate.json", attest.OPENVEX.name: "openvex.json",
                    attest.PROVENANCE.name: "provenance.json", attest.RELEASE.name: "release.json"}
 MAX_CONFIG_BYTES = 4 << 20
 
@@ -575,12 +605,39 @@ class SignRun:
     options: SignOptions
     cosign: Cosign
     on_event: Event = lambda *_: None
+    # The vulnerability policy the OpenVEX documents are made from; None: the one each gate record names
+    # (a path as the gate was given it, so relative to the directory the gate ran in).
+    policy: Path | None = None
+    clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)
 
     def __post_init__(self) -> None:
         self.report_path = self.report_path.resolve()
         self.workdir = self.report_path.parent
         self._signer: SignerKey | None = None
+        self._policies: dict[str, tuple[str, tuple[vex.AcceptedRisk, ...]]] = {}  # path -> (sha256, exceptions)
         self.registries = Registries(insecure=self.options.insecure_registries)
+
+    def exceptions_of(self, gate: GateStage) -> Sequence[vex.AcceptedRisk]:
+        """The exceptions of the policy `gate` judged by, each file read once (InputError when it is bad: exit 2).
+
+        SignError when the gate named none, or when the file is not the one a release's gate judged by
+        (its record keeps the policy's sha256): the document would speak of exceptions the gate never saw."""
+        from imagebuild.checks.gate import parse_policy  # the gate (SARIF's XML): push imports this module
+
+        path = self.policy if self.policy is not None else (Path(gate.policy) if gate.policy else None)
+        if path is None:
+            raise SignError("the gate record names no policy to make the OpenVEX document from (pass --policy)")
+        if str(path) not in self._policies:
+            document = load_document(path)
+            sha256 = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+            self._policies[str(path)] = (sha256, tuple(parse_policy(document).exceptions))
+        sha256, exceptions = self._policies[str(path)]
+        inputs = gate.extra.get("inputs")
+        judged = inputs.get("policy_sha256") if isinstance(inputs, dict) else None
+        if judged is not None and judged != sha256:
+            raise SignError(f"{path} changed since the gate judged this image by it: gate it again "
+                            "(or attest its VEX with `imagebuild vex attest`)")
+        return exceptions
 
     def signer_key(self) -> SignerKey:
         """The signing key's public half, asked of cosign once per run; none with keyless signing."""
@@ -610,7 +667,8 @@ class SignRun:
         for variant in variants:
             if variant.refusal(*SIGN_NEEDS) is None:
                 try:
-                    prepared[variant.id] = prepare(self.workdir, report, variant)  # InputError: exit 2
+                    prepared[variant.id] = prepare(self.workdir, report, variant, self.exceptions_of,
+                                                   self.clock())  # InputError: exit 2
                 except SignError as exc:  # a record about another digest: this variant fails, the others go on
                     prepared[variant.id] = exc
         one_image_per_registry = {ImageRef.parse(v.image).registry: v.image for v in variants
@@ -655,7 +713,8 @@ class SignRun:
         self.on_event("start", variant, image)
         try:
             if predicates is None:
-                predicates = prepare(self.workdir, BuildReport.read(self.report_path), variant)
+                predicates = prepare(self.workdir, BuildReport.read(self.report_path), variant, self.exceptions_of,
+                                     self.clock())
             if isinstance(predicates, SignError):
                 raise predicates
             record = self._sign_variant(variant, client, predicates)
@@ -679,8 +738,8 @@ class SignRun:
         if earlier.key != self.options.key_reference or earlier.keyless != (self.options.keyless is not None):
             return False
         image, digest = variant.image or "", variant.digest or ""
-        digests = {digest: INDEX_KINDS if variant.multi_platform else attest.KINDS}
-        digests.update({c.digest: attest.KINDS for c in variant.children})
+        digests = {digest: INDEX_KINDS if variant.multi_platform else IMAGE_KINDS}
+        digests.update({c.digest: IMAGE_KINDS for c in variant.children})
         for signed, kinds in digests.items():
             if not signature_present(client, image, signed):
                 return False
@@ -689,7 +748,7 @@ class SignRun:
         return True
 
     def _sign_variant(self, variant: VariantRecord, client: Registry, prepared: Prepared) -> SignStage:
-        """A variant's image; or each child of its index (all six attestations, its own predicates), then the
+        """A variant's image; or each child of its index (all seven attestations, its own predicates), then the
         index itself (its provenance and a release record naming every child), the index last."""
         report = BuildReport.read(self.report_path)
         folder = self.workdir / "sign" / variant.id
@@ -713,7 +772,7 @@ class SignRun:
         return record
 
     def _sign(self, report: BuildReport, variant: VariantRecord, client: Registry,
-              predicates: dict[str, dict[str, Any]], folder: Path, kinds: tuple[attest.AttestationKind, ...] = attest.KINDS,
+              predicates: dict[str, dict[str, Any]], folder: Path, kinds: tuple[attest.AttestationKind, ...] = IMAGE_KINDS,
               release_of: ReleaseOf | None = None) -> SignStage:
         """Sign one image by digest (reusing this key's signature) and attest `kinds`: the given predicates, then
         its provenance and release record (`release_of`; default: a single image's, from the four given)."""

@@ -1,6 +1,9 @@
 """`imagebuild vex attest`: the policy's valid exceptions as a signed OpenVEX attestation of one image, and the
 signed document read back for a scan (rescan feeds it to `trivy --vex`).
 
+`imagebuild sign` attaches the same document (from the gate's policy) with the other attestations; this
+command is for attesting it again after the policy changed (a renewed or a new exception).
+
 The document is built by checks/vex.py (pure) and attached with `cosign attest --replace` by digest,
 so a newer document replaces the older one. Reading it back trusts only what verifies: the image's
 signature and the attestation's envelope with the trust file's keys (Verifier.inspect), then every
@@ -37,8 +40,8 @@ def attest_image(cosign: Cosign, image: str, *, variant: str, policy: Policy, sb
     ref = ImageRef.parse(image)
     if ref.digest is None:
         raise InputError(image, None, "", "not addressed by digest; only digests are attested")
-    document = vex.build_document(policy.exceptions, variant=variant, digest=ref.digest, name=vex.product_name(ref.repository),
-                                  today=today, now=now, purls=vex.sbom_purls(sbom))
+    document = vex.image_document(policy.exceptions, variant=variant, repository=ref.repository, digest=ref.digest,
+                                  sbom=sbom, today=today, now=now)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "openvex.json"
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

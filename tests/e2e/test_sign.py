@@ -21,6 +21,7 @@ from imagebuild.oci.client import ImageRef, Registry
 from imagebuild.oci.copy import copy_within
 from imagebuild.trust.attest import (
     PREDICATE_GATE,
+    PREDICATE_OPENVEX,
     PREDICATE_PROVENANCE,
     PREDICATE_RELEASE,
     PREDICATE_SBOM,
@@ -123,9 +124,10 @@ def test_the_report_records_the_signature_layout_and_attestations(signed_example
         assert record["layout"] == "tag"
         assert record["signature"] == f"{repository}:sha256-{hex_digest}.sig"
         assert record["attestation_ref"] == f"{repository}:sha256-{hex_digest}.att"
-        assert [a["type"] for a in record["attestations"]] == ["sbom", "vuln", "smoke", "gate", "provenance", "release"]
+        assert [a["type"] for a in record["attestations"]] == ["sbom", "vuln", "smoke", "gate", "openvex", "provenance",
+                                                              "release"]
         assert {a["predicate_type"] for a in record["attestations"]} == {
-            *ATTESTATION_TYPES.values(), PREDICATE_PROVENANCE, PREDICATE_RELEASE}
+            *ATTESTATION_TYPES.values(), PREDICATE_OPENVEX, PREDICATE_PROVENANCE, PREDICATE_RELEASE}
         assert record["cosign_version"] == "v2.6.5" and record["signed_at"]
         assert record["tlog"] is False
 

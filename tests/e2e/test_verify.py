@@ -317,7 +317,7 @@ def test_many_threads_verifying_at_once_get_the_same_verdicts(push, cosign_cli, 
 # --- the example, signed by `imagebuild sign` -------------------------------------------------------
 
 
-def test_the_signed_example_verifies_with_all_six_attestations_under_the_example_trust_config_and_cosign_agrees(
+def test_the_signed_example_verifies_with_all_seven_attestations_under_the_example_trust_config_and_cosign_agrees(
         signed_example, cosign_cli):
     run = verify("--config", str(REPO / "examples" / "local" / "trust.yaml"), "--format", "json",
                  *signed_example.images, *signed_example.tags)
@@ -328,12 +328,12 @@ def test_the_signed_example_verifies_with_all_six_attestations_under_the_example
     assert indexes, "the example has a two-platform variant"
     for verdict in verdicts:
         assert verdict["allowed"] and verdict["key"] == "imagebuild-local", verdict
-        if verdict["digest"] in indexes:  # verified whole: each child held to all six on its own digest
+        if verdict["digest"] in indexes:  # verified whole: each child held to all seven on its own digest
             assert "index of 2 platforms, each verified (linux/amd64, linux/arm64)" in verdict["reason"], verdict
             continue
-        assert "; 6 attestations (" in verdict["reason"]  # sign's four, and the release record's two
+        assert "; 7 attestations (" in verdict["reason"]  # sign's four, the OpenVEX, the release record's two
         assert set(verdict["reason"].split(" attestations (")[1].rstrip(")").split(", ")) == {
-            *TYPES, "provenance", "release"}
+            *TYPES, "openvex", "provenance", "release"}
     for image in signed_example.images:
         assert cosign_cli.admits(image, signed_example.public_key), image
         if image.split("@")[-1] in indexes:
