@@ -150,7 +150,9 @@ class Webhook:
 
     def events(self, event: str) -> list[dict]:
         """The log's JSON lines of that event, in order."""
-        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+        text = self.log_path.read_text()
+        whole = text[:text.rfind("\n") + 1]  # a line the webhook is still writing is not read yet
+        lines = [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
         return [line for line in lines if line.get("event") == event]
 
     def decisions(self) -> list[dict]:

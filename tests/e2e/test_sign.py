@@ -269,7 +269,7 @@ def test_a_fresh_workdir_reuses_this_keys_signature_and_adds_no_layer(signed_exa
 
     again = sign_row(run, variant)
     assert (again["action"], again["signature_reused"]) == ("signed", True)
-    assert "signature already present by this key: reused; 6 attestations" in run.stderr
+    assert "signature already present by this key: reused; 7 attestations" in run.stderr
     assert variant_for(json.loads(again_path.read_text()), image)["stages"]["sign"]["signature_reused"] is True
     assert len(signature_layers(image)) == 1
     assert tag_digest(image, "sig") == signature  # not even rewritten
