@@ -44,9 +44,16 @@ if [ ! -f "$trivy_cache/db/metadata.json" ]; then
   python -c 'import sys; from pathlib import Path; from tests.e2e.trivydb import build_fixture_db; build_fixture_db(Path(sys.argv[1]))' "$trivy_cache"
 fi
 
-# The whole chain per variant; a rerun reuses every result for an unchanged digest.
+# The whole chain per variant; a rerun reuses every result for an unchanged digest. The release
+# layers are labelled with this checkout's commit, or with IMAGEBUILD_EXAMPLE_REVISION when set (the
+# e2e test of this script gives a revision of its own, so its first run releases and rolls out new
+# digests even where the main job already ran at this commit).
+revision_args=()
+if [ -n "${IMAGEBUILD_EXAMPLE_REVISION:-}" ]; then
+  revision_args=(--revision "$IMAGEBUILD_EXAMPLE_REVISION")
+fi
 imagebuild release --matrix "$matrix" --workdir "$workdir" --policy examples/local/policy.yaml \
-  --offline --cache-dir "$trivy_cache" --key "$keys/cosign.key"
+  --offline --cache-dir "$trivy_cache" --key "$keys/cosign.key" "${revision_args[@]}"
 
 # variant id, channel and image (repository@sha256:...) of every released variant.
 mapfile -t released < <(python - "$workdir/build-report.json" <<'PY'

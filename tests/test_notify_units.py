@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,30 @@ def test_a_dead_receiver_costs_the_emitter_nothing_and_the_drain_at_most_its_tim
     assert failure[0] == url.split("/")[2] and failure[1] == "rollout.halted"
     # The send's own timeout, or the drain giving up on it at the same deadline: whichever is first.
     assert re.search("ConnectError" if dead == "refused" else "Timeout|no answer within 1s", failure[2]), failure
+
+
+def test_a_drain_that_finds_a_send_reporting_its_failure_waits_for_that_report():
+    # The send's thread has settled and is writing its report (an audit line) when drain gives up on it:
+    # drain must not return before the report is written, or the caller reads an audit without it.
+    entered, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def slow_report(host: str, kind: str, why: str) -> None:
+        entered.set()
+        release.wait(10)
+        seen.append(why)
+
+    notifier = Notifier((NotifyTarget(url=None, url_env="UNSET_NOTIFY_URL", timeout_s=0.1),), environ={})
+    notifier.emit("rollout.halted", "imagebuild/rollout/r1", DIGEST, {"rollout": "r1"}, slow_report)
+    assert entered.wait(10)
+    drainer = threading.Thread(target=notifier.drain)
+    drainer.start()
+    drainer.join(1.0)  # past the send's deadline: drain has given up on the thread and is settling it
+    still_waiting = drainer.is_alive()
+    release.set()
+    drainer.join(10)
+    assert still_waiting, "drain returned while the send's failure was still being reported"
+    assert seen == ["environment variable UNSET_NOTIFY_URL (its URL) is not set"]
 
 
 def test_an_unset_variable_or_unreadable_ca_file_is_a_failed_send_not_an_exception(tmp_path):

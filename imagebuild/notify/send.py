@@ -36,18 +36,6 @@ def policy_for(target: NotifyTarget) -> RetryPolicy:
                        max_retry_after_s=target.timeout_s)
 
 
-class _WithinDeadline(httpx.BaseTransport):
-    """Each try may take only what is left until the deadline (connect, TLS, write and read alike)."""
-
-    def __init__(self, inner: httpx.BaseTransport, deadline: float, clock: Clock):
-        self.inner, self.deadline, self.clock = inner, deadline, clock
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        left = self.deadline - self.clock()
-        if left <= 0:
-            raise httpx.ConnectTimeout("the notification's timeout is spent", request=request)
-        request.extensions["timeout"] = httpx.Timeout(left).as_dict()
-        return self.inner.handle_request(request)
 
     def close(self) -> None:
         self.inner.close()
@@ -64,21 +52,48 @@ class _Send:
     deadline: float
     on_failure: OnFailure | None
     host: str = "?"
+    last_error: str | None = None  # the last try's transport error, set by its thread
     thread: threading.Thread | None = None
     _settled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def settle(self, failure: str | None) -> None:
-        """Once per send: the thread's outcome, or drain giving up on it, whichever comes first."""
+        """Once per send: the thread's outcome, or drain giving up on it, whichever comes first. The report is
+        made under the lock, so a drain that finds the thread settling waits for its report (a local audit
+        line) instead of returning before it is written."""
         with self._lock:
             if self._settled:
                 return
             self._settled = True
-        if failure is not None and self.on_failure is not None:
-            try:
-                self.on_failure(self.host, self.kind, failure)
-            except Exception:  # reporting a failed notification must not fail anything else
-                pass
+            if failure is not None and self.on_failure is not None:
+                try:
+                    self.on_failure(self.host, self.kind, failure)
+                except Exception:  # reporting a failed notification must not fail anything else
+                    pass
+
+    def given_up(self) -> str:
+        """Why, when drain stops waiting: the timeout, and the last try's failure when there was one."""
+        last = f" (last try: {self.last_error})" if self.last_error else ""
+        return f"no answer within {self.target.timeout_s:g}s{last}"
+
+
+class _WithinDeadline(httpx.BaseTransport):
+    """Each try may take only what is left until the deadline (connect, TLS, write and read alike).
+    Each try's failure is kept on the send, so a drain that gives up on it can still say what went wrong."""
+
+    def __init__(self, inner: httpx.BaseTransport, send: _Send, clock: Clock):
+        self.inner, self.send, self.clock = inner, send, clock
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        left = self.send.deadline - self.clock()
+        if left <= 0:
+            raise httpx.ConnectTimeout("the notification's timeout is spent", request=request)
+        request.extensions["timeout"] = httpx.Timeout(left).as_dict()
+        try:
+            return self.inner.handle_request(request)
+        except httpx.TransportError as exc:
+            self.send.last_error = type(exc).__name__
+            raise
 
 
 class Notifier:
@@ -118,7 +133,7 @@ class Notifier:
             if send.thread is not None and send.thread.ident is not None:
                 send.thread.join(max(0.0, send.deadline - self._clock()))
                 if send.thread.is_alive():
-                    send.settle(f"no answer within {send.target.timeout_s:g}s")
+                    send.settle(send.given_up())
 
     def _deliver(self, send: _Send, event: dict[str, Any]) -> None:
         try:
@@ -151,7 +166,7 @@ class Notifier:
                 verify = ssl.create_default_context(cafile=str(target.ca_file))
             except (OSError, ssl.SSLError) as exc:
                 return f"ca_file {target.ca_file}: {safe_text(getattr(exc, 'strerror', None) or exc, 120)}"
-        transport = RetryingTransport(_WithinDeadline(httpx.HTTPTransport(verify=verify), send.deadline, self._clock),
+        transport = RetryingTransport(_WithinDeadline(httpx.HTTPTransport(verify=verify), send, self._clock),
                                       policy_for(target))
         try:
             with httpx.Client(transport=transport, timeout=target.timeout_s) as client, \
