@@ -25,6 +25,8 @@ Side by side, for each image:
               digest) into a throw-away registry of its own on loopback, pulled the same way
   docker      (--docker-pull) `docker pull` of the imagebuild image into a Docker engine with
               an empty --data-root of its own, for sites whose nodes run Docker
+  split       (--split CHANNEL=REF) another build of the channel's image, e.g. with its pip layers split into
+              parts (pip_layers in the matrix), pulled the same way; with --docker-pull, by docker pull too
   zstd        (--compression zstd[:level]) the same image (the engine's copy of its config and
               layers) pushed again by imagebuild's publish with zstd layers under an OCI
               manifest, into a throw-away registry of its own on loopback, pulled the same way
@@ -46,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -81,6 +83,8 @@ class Pull:
     unpacked_bytes: int
     layers: int
     load_before: float
+    layer_blobs: list[int] = field(default_factory=list)  # each layer's compressed bytes, as the manifest says
+    layer_bytes: list[int] = field(default_factory=list)  # each layer's unpacked bytes (containerd's snapshots)
 
     @property
     def ready_s(self) -> float:
@@ -99,6 +103,24 @@ def tree_bytes(root: Path) -> int:
             seen.add((stat.st_dev, stat.st_ino))
             total += stat.st_size
     return total
+
+
+def layer_blob_sizes(ref: str) -> list[int]:
+    """Each layer's compressed size, in the image's order, from its manifest (linux/amd64 of an index)."""
+    image = ImageRef.parse(ref)
+    with Registry(image.registry) as registry:
+        raw, media_type, _ = registry.get_manifest(image.repository, image.reference)
+        if media_type in INDEX_TYPES:
+            [child] = [m["digest"] for m in json.loads(raw)["manifests"]
+                       if m.get("platform", {}).get("architecture") == "amd64"]
+            raw, _, _ = registry.get_manifest(image.repository, child)
+    return [int(layer["size"]) for layer in json.loads(raw)["layers"]]
+
+
+def snapshot_sizes(snapshots: Path, layers: int) -> list[int]:
+    """Each layer's unpacked bytes: containerd numbers its snapshots in the order it unpacks the layers."""
+    folders = sorted((d for d in snapshots.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    return [tree_bytes(d / "fs") for d in folders[:layers]]
 
 
 def wait_for(path: Path, process: subprocess.Popen, what: str, log: Path) -> None:
@@ -136,12 +158,13 @@ def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: b
         layers = store.ctr("snapshots", "ls", namespace=NAMESPACE).stdout.count("Committed")
         return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=tree_bytes(blobs),
-                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1))
+                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1),
+                    layer_blobs=layer_blob_sizes(ref), layer_bytes=snapshot_sizes(snapshots, layers))
     finally:
         store.stop()
 
 
-def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
+def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool, side: str = "docker") -> Pull:
     """`docker pull` into an engine with an empty data root (its own containerd, socket and exec root)."""
     directory = Path(tempfile.mkdtemp(prefix="dockerd-", dir=scratch))
     socket = directory / "docker.sock"
@@ -179,7 +202,7 @@ def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
             sys.exit(f"docker create {ref} failed:\n{made.stderr[-2000:]}")
         ready_at = time.monotonic()
         [inspected] = json.loads(sh(*client, "image", "inspect", ref).stdout)
-        return Pull(image=image, side="docker", ref=ref, pull_s=round(pulled_at - started, 1),
+        return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=0, unpacked_bytes=inspected["Size"],
                     layers=len(inspected["RootFS"]["Layers"]), load_before=round(load, 1))
     finally:
@@ -272,6 +295,8 @@ def main() -> int:
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each pull (root)")
     parser.add_argument("--compression", type=parse_compression, default=None, metavar="zstd[:LEVEL]",
                         help="also pull each image pushed again with this layer compression (the zstd side)")
+    parser.add_argument("--split", action="append", default=[], metavar="CHANNEL=REF",
+                        help="also pull REF as the channel's 'split' side (e.g. the image with its pip layers split)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -281,6 +306,11 @@ def main() -> int:
     channels = [c for c in args.channels.split(",") if c]
     docker_cli()  # fails clearly when the engine's client is missing
     refs = {c: {"imagebuild": f"{args.region_registry}/{args.repository}:{c}"} for c in channels}
+    for given in args.split:
+        channel, _, ref = given.partition("=")
+        if channel not in refs or not ref:
+            sys.exit(f"--split {given}: give CHANNEL=REF for one of the channels ({', '.join(channels)})")
+        refs[channel]["split"] = ref
     pulls: list[Pull] = []
     with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
         scratch = Path(tmp)
@@ -305,6 +335,9 @@ def main() -> int:
                 if args.docker_pull:
                     for _ in range(args.runs):
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
+                        if "split" in refs[channel]:
+                            pulls.append(pull_into_docker(scratch, channel, refs[channel]["split"], args.drop_caches,
+                                                          side="docker-split"))
         finally:
             if zstd_registry is not None:
                 zstd_registry.stop()
@@ -321,7 +354,7 @@ def main() -> int:
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
           f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "zstd", "peer", "docker"):
+        for side in ("imagebuild", "split", "zstd", "peer", "docker", "docker-split"):
             pull = median(channel, side)
             if pull is None:
                 continue
@@ -335,6 +368,16 @@ def main() -> int:
             result["ratios"][channel] = ratio
             print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
                   f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
+        for whole, split in (median(channel, "imagebuild"), median(channel, "split")), \
+                (median(channel, "docker"), median(channel, "docker-split")):
+            if whole and split:  # the same files in other layers: the time is the one figure that moves
+                result["ratios"][f"{channel}-{split.side}"] = {"ready": round(whole.ready_s / split.ready_s, 2)}
+                print(f"{channel:10} {split.side} is ready {whole.ready_s / split.ready_s:.2f}x as fast as {whole.side}")
+        for side in ("imagebuild", "split"):
+            pull = median(channel, side)
+            if pull is not None and pull.layer_blobs:
+                print(f"{channel:10} {side:11} layers, MB compressed / unpacked: " + "  ".join(
+                    f"{b / 1e6:.1f}/{u / 1e6:.1f}" for b, u in zip(pull.layer_blobs, pull.layer_bytes)))
         zstd = median(channel, "zstd")
         if ours and zstd:
             ratio = {"ready": round(ours.ready_s / zstd.ready_s, 2),
