@@ -27,6 +27,9 @@ Side by side, for each image:
               an empty --data-root of its own, for sites whose nodes run Docker
   split       (--split CHANNEL=REF) another build of the channel's image, e.g. with its pip layers split into
               parts (pip_layers in the matrix), pulled the same way; with --docker-pull, by docker pull too
+  c2-*        (--containerd2 N) the imagebuild and split sides pulled again by a containerd 2.x node
+              (scripts/build-test-tools.sh builds it: IMAGEBUILD_WITH_CONTAINERD2=1), whose ctr pulls through
+              the transfer service: layers unpacked as they arrive, N at once (max_concurrent_unpacks)
   zstd        (--compression zstd[:level]) the same image (the engine's copy of its config and
               layers) pushed again by imagebuild's publish with zstd layers under an OCI
               manifest, into a throw-away registry of its own on loopback, pulled the same way
@@ -67,6 +70,8 @@ from imagebuild.oci.compression import Compression, parse_compression  # noqa: E
 from tests.e2e.nodes import CONTAINERD, CTR, ContainerdNode, unmount_below  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
+CONTAINERD2 = "/opt/imagebuild-tools/bin/containerd2"
+CTR2 = "/opt/imagebuild-tools/bin/ctr2"
 NAMESPACE = "ttr"
 
 
@@ -138,8 +143,11 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool) -> Pull:
-    store = ContainerdNode(scratch, "ttr")
+def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool, unpacks: int = 0) -> Pull:
+    """With `unpacks`, the node is a containerd 2.x that unpacks that many layers at once."""
+    store = ContainerdNode(scratch, "ttr") if not unpacks else ContainerdNode(
+        scratch, "ttr2", binary=CONTAINERD2, client=CTR2,
+        settings=('[plugins."io.containerd.transfer.v1.local"]', f"  max_concurrent_unpacks = {unpacks}"))
     try:
         if drop:
             drop_caches()
@@ -297,6 +305,8 @@ def main() -> int:
                         help="also pull each image pushed again with this layer compression (the zstd side)")
     parser.add_argument("--split", action="append", default=[], metavar="CHANNEL=REF",
                         help="also pull REF as the channel's 'split' side (e.g. the image with its pip layers split)")
+    parser.add_argument("--containerd2", type=int, default=0, metavar="UNPACKS",
+                        help="also pull the imagebuild and split sides with containerd 2.x, UNPACKS layers at once")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -326,14 +336,17 @@ def main() -> int:
                 for channel, ref in peer.items():
                     refs[channel]["peer"] = ref
             for channel in channels:
-                for side, ref in refs[channel].items():
-                    for run in range(args.runs):
-                        pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches)
-                        print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
-                              f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
-                        pulls.append(pull)
-                if args.docker_pull:
-                    for _ in range(args.runs):
+                # Run by run, every side once: on a shared machine the load moves, and each side gets its share.
+                for run in range(args.runs):
+                    for side, ref in refs[channel].items():
+                        again = args.containerd2 and side in ("imagebuild", "split")
+                        for unpacks in (0, args.containerd2) if again else (0,):
+                            named = f"c2-{side}" if unpacks else side
+                            pull = pull_into_containerd(scratch, channel, named, ref, args.drop_caches, unpacks)
+                            print(f"[{channel} {named} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
+                                  f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
+                            pulls.append(pull)
+                    if args.docker_pull:
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
                         if "split" in refs[channel]:
                             pulls.append(pull_into_docker(scratch, channel, refs[channel]["split"], args.drop_caches,
@@ -354,7 +367,7 @@ def main() -> int:
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
           f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "split", "zstd", "peer", "docker", "docker-split"):
+        for side in ("imagebuild", "split", "c2-imagebuild", "c2-split", "zstd", "peer", "docker", "docker-split"):
             pull = median(channel, side)
             if pull is None:
                 continue
@@ -368,8 +381,8 @@ def main() -> int:
             result["ratios"][channel] = ratio
             print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
                   f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
-        for whole, split in (median(channel, "imagebuild"), median(channel, "split")), \
-                (median(channel, "docker"), median(channel, "docker-split")):
+        for whole, split in [(median(channel, one), median(channel, other)) for one, other in (
+                ("imagebuild", "split"), ("c2-imagebuild", "c2-split"), ("docker", "docker-split"))]:
             if whole and split:  # the same files in other layers: the time is the one figure that moves
                 result["ratios"][f"{channel}-{split.side}"] = {"ready": round(whole.ready_s / split.ready_s, 2)}
                 print(f"{channel:10} {split.side} is ready {whole.ready_s / split.ready_s:.2f}x as fast as {whole.side}")
