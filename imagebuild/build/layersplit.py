@@ -35,12 +35,21 @@ import os
 import stat
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from imagebuild.core.errors import ImagebuildError as _ErrorRoot
+else:
+    try:  # in the package, the one error root; the copy a build runs has only the standard library
+        from imagebuild.core.errors import ImagebuildError as _ErrorRoot
+    except ImportError:
+        _ErrorRoot = Exception
 
 TAR_BLOCK = 512
 PACKAGE_FOLDERS = ("site-packages", "dist-packages")
 
 
-class SplitError(Exception):
+class SplitError(_ErrorRoot):
     """The install cannot be split as asked; the message says why and what to change."""
 
 
