@@ -175,7 +175,10 @@ def run_peer(matrix: Path, only: list[str], jobs: int, scratch: Path) -> dict:
                "--label", f"io.imagebuild.layer.key={key}", "-t", image]
         for name, value in sorted(args.items()):
             cmd += ["--build-arg", f"{name}={value}"]
-        cmd += ["--secret", f"id=ca-bundle,src={CA_BUNDLE}", str(dockerfiles / layer.path)]
+        # A layer that reads a file shared with others (the layer split's program) builds from the tree's root.
+        if layer.shared:
+            cmd += ["--file", str(dockerfiles / layer.path / "Dockerfile")]
+        cmd += ["--secret", f"id=ca-bundle,src={CA_BUNDLE}", str(dockerfiles if layer.shared else dockerfiles / layer.path)]
         started = time.monotonic()
         build = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DOCKER_BUILDKIT": "1"},
                                check=False)

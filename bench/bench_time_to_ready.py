@@ -25,6 +25,11 @@ Side by side, for each image:
               digest) into a throw-away registry of its own on loopback, pulled the same way
   docker      (--docker-pull) `docker pull` of the imagebuild image into a Docker engine with
               an empty --data-root of its own, for sites whose nodes run Docker
+  split       (--split CHANNEL=REF) another build of the channel's image, e.g. with its pip layers split into
+              parts (pip_layers in the matrix), pulled the same way; with --docker-pull, by docker pull too
+  c2-*        (--containerd2 N) the imagebuild and split sides pulled again by a containerd 2.x node
+              (scripts/build-test-tools.sh builds it: IMAGEBUILD_WITH_CONTAINERD2=1), whose ctr pulls through
+              the transfer service: layers unpacked as they arrive, N at once (max_concurrent_unpacks)
   zstd        (--compression zstd[:level]) the same image (the engine's copy of its config and
               layers) pushed again by imagebuild's publish with zstd layers under an OCI
               manifest, into a throw-away registry of its own on loopback, pulled the same way
@@ -46,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -65,6 +70,8 @@ from imagebuild.oci.compression import Compression, parse_compression  # noqa: E
 from tests.e2e.nodes import CONTAINERD, CTR, ContainerdNode, unmount_below  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
+CONTAINERD2 = "/opt/imagebuild-tools/bin/containerd2"
+CTR2 = "/opt/imagebuild-tools/bin/ctr2"
 NAMESPACE = "ttr"
 
 
@@ -81,6 +88,8 @@ class Pull:
     unpacked_bytes: int
     layers: int
     load_before: float
+    layer_blobs: list[int] = field(default_factory=list)  # each layer's compressed bytes, as the manifest says
+    layer_bytes: list[int] = field(default_factory=list)  # each layer's unpacked bytes (containerd's snapshots)
 
     @property
     def ready_s(self) -> float:
@@ -101,6 +110,24 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
+def layer_blob_sizes(ref: str) -> list[int]:
+    """Each layer's compressed size, in the image's order, from its manifest (linux/amd64 of an index)."""
+    image = ImageRef.parse(ref)
+    with Registry(image.registry) as registry:
+        raw, media_type, _ = registry.get_manifest(image.repository, image.reference)
+        if media_type in INDEX_TYPES:
+            [child] = [m["digest"] for m in json.loads(raw)["manifests"]
+                       if m.get("platform", {}).get("architecture") == "amd64"]
+            raw, _, _ = registry.get_manifest(image.repository, child)
+    return [int(layer["size"]) for layer in json.loads(raw)["layers"]]
+
+
+def snapshot_sizes(snapshots: Path, layers: int) -> list[int]:
+    """Each layer's unpacked bytes: containerd numbers its snapshots in the order it unpacks the layers."""
+    folders = sorted((d for d in snapshots.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    return [tree_bytes(d / "fs") for d in folders[:layers]]
+
+
 def wait_for(path: Path, process: subprocess.Popen, what: str, log: Path) -> None:
     for _ in range(300):
         if path.exists():
@@ -116,8 +143,11 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool) -> Pull:
-    store = ContainerdNode(scratch, "ttr")
+def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool, unpacks: int = 0) -> Pull:
+    """With `unpacks`, the node is a containerd 2.x that unpacks that many layers at once."""
+    store = ContainerdNode(scratch, "ttr") if not unpacks else ContainerdNode(
+        scratch, "ttr2", binary=CONTAINERD2, client=CTR2,
+        settings=('[plugins."io.containerd.transfer.v1.local"]', f"  max_concurrent_unpacks = {unpacks}"))
     try:
         if drop:
             drop_caches()
@@ -136,12 +166,13 @@ def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: b
         layers = store.ctr("snapshots", "ls", namespace=NAMESPACE).stdout.count("Committed")
         return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=tree_bytes(blobs),
-                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1))
+                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1),
+                    layer_blobs=layer_blob_sizes(ref), layer_bytes=snapshot_sizes(snapshots, layers))
     finally:
         store.stop()
 
 
-def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
+def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool, side: str = "docker") -> Pull:
     """`docker pull` into an engine with an empty data root (its own containerd, socket and exec root)."""
     directory = Path(tempfile.mkdtemp(prefix="dockerd-", dir=scratch))
     socket = directory / "docker.sock"
@@ -179,7 +210,7 @@ def pull_into_docker(scratch: Path, image: str, ref: str, drop: bool) -> Pull:
             sys.exit(f"docker create {ref} failed:\n{made.stderr[-2000:]}")
         ready_at = time.monotonic()
         [inspected] = json.loads(sh(*client, "image", "inspect", ref).stdout)
-        return Pull(image=image, side="docker", ref=ref, pull_s=round(pulled_at - started, 1),
+        return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=0, unpacked_bytes=inspected["Size"],
                     layers=len(inspected["RootFS"]["Layers"]), load_before=round(load, 1))
     finally:
@@ -272,6 +303,10 @@ def main() -> int:
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each pull (root)")
     parser.add_argument("--compression", type=parse_compression, default=None, metavar="zstd[:LEVEL]",
                         help="also pull each image pushed again with this layer compression (the zstd side)")
+    parser.add_argument("--split", action="append", default=[], metavar="CHANNEL=REF",
+                        help="also pull REF as the channel's 'split' side (e.g. the image with its pip layers split)")
+    parser.add_argument("--containerd2", type=int, default=0, metavar="UNPACKS",
+                        help="also pull the imagebuild and split sides with containerd 2.x, UNPACKS layers at once")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -281,6 +316,11 @@ def main() -> int:
     channels = [c for c in args.channels.split(",") if c]
     docker_cli()  # fails clearly when the engine's client is missing
     refs = {c: {"imagebuild": f"{args.region_registry}/{args.repository}:{c}"} for c in channels}
+    for given in args.split:
+        channel, _, ref = given.partition("=")
+        if channel not in refs or not ref:
+            sys.exit(f"--split {given}: give CHANNEL=REF for one of the channels ({', '.join(channels)})")
+        refs[channel]["split"] = ref
     pulls: list[Pull] = []
     with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
         scratch = Path(tmp)
@@ -296,15 +336,21 @@ def main() -> int:
                 for channel, ref in peer.items():
                     refs[channel]["peer"] = ref
             for channel in channels:
-                for side, ref in refs[channel].items():
-                    for run in range(args.runs):
-                        pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches)
-                        print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
-                              f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
-                        pulls.append(pull)
-                if args.docker_pull:
-                    for _ in range(args.runs):
+                # Run by run, every side once: on a shared machine the load moves, and each side gets its share.
+                for run in range(args.runs):
+                    for side, ref in refs[channel].items():
+                        again = args.containerd2 and side in ("imagebuild", "split")
+                        for unpacks in (0, args.containerd2) if again else (0,):
+                            named = f"c2-{side}" if unpacks else side
+                            pull = pull_into_containerd(scratch, channel, named, ref, args.drop_caches, unpacks)
+                            print(f"[{channel} {named} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
+                                  f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
+                            pulls.append(pull)
+                    if args.docker_pull:
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
+                        if "split" in refs[channel]:
+                            pulls.append(pull_into_docker(scratch, channel, refs[channel]["split"], args.drop_caches,
+                                                          side="docker-split"))
         finally:
             if zstd_registry is not None:
                 zstd_registry.stop()
@@ -321,7 +367,7 @@ def main() -> int:
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
           f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "zstd", "peer", "docker"):
+        for side in ("imagebuild", "split", "c2-imagebuild", "c2-split", "zstd", "peer", "docker", "docker-split"):
             pull = median(channel, side)
             if pull is None:
                 continue
@@ -335,6 +381,16 @@ def main() -> int:
             result["ratios"][channel] = ratio
             print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
                   f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
+        for whole, split in [(median(channel, one), median(channel, other)) for one, other in (
+                ("imagebuild", "split"), ("c2-imagebuild", "c2-split"), ("docker", "docker-split"))]:
+            if whole and split:  # the same files in other layers: the time is the one figure that moves
+                result["ratios"][f"{channel}-{split.side}"] = {"ready": round(whole.ready_s / split.ready_s, 2)}
+                print(f"{channel:10} {split.side} is ready {whole.ready_s / split.ready_s:.2f}x as fast as {whole.side}")
+        for side in ("imagebuild", "split"):
+            pull = median(channel, side)
+            if pull is not None and pull.layer_blobs:
+                print(f"{channel:10} {side:11} layers, MB compressed / unpacked: " + "  ".join(
+                    f"{b / 1e6:.1f}/{u / 1e6:.1f}" for b, u in zip(pull.layer_blobs, pull.layer_bytes)))
         zstd = median(channel, "zstd")
         if ours and zstd:
             ratio = {"ready": round(ours.ready_s / zstd.ready_s, 2),

@@ -5,6 +5,7 @@
 #   kube-apiserver  k8s.io/kubernetes' API server, and kubectl beside it
 #   etcd            go.etcd.io/etcd/server/v3 through a small wrapper module
 #   buildkitd       github.com/moby/buildkit's daemon, and buildctl beside it (the builder pool)
+#   containerd2     containerd 2.x and ctr2 (opt-in, IMAGEBUILD_WITH_CONTAINERD2=1: bench_time_to_ready only)
 #
 # Usage: scripts/build-test-tools.sh            build what is missing, in the foreground; wait
 #                                               for a build another process is running
@@ -150,25 +151,33 @@ EOF
     log "etcd: built in $((SECONDS - started))s"
 }
 
+# Two binaries from one module's tree, CGO off, the version stamped where `--version` reads it
+# (MODULE/version.Version): build_two MODULE VERSION NAME ./PKG NAME ./PKG [NOTE].
+build_two() {
+    local module="$1" version="$2" first="$3" second="$5" note="${7:-}" src started=$SECONDS name pkg
+    local want="$module@$version" flags="-s -w -X $module/version.Version=$version"
+    if present "$first" "$want" && present "$second" "$want"; then
+        log "$first, $second $version: present"; return
+    fi
+    log "$first, $second: go build $want $4 $6$note"
+    src="$(module_tree "$want" "$first-$version")"
+    for name in "$first" "$second"; do
+        if [ "$name" = "$first" ]; then pkg="$4"; else pkg="$6"; fi
+        (cd "$src" && CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="$flags" \
+            -o "$TOOLS_DIR/bin/$name.partial" "$pkg") || die "building $name failed"
+    done
+    install_built "$first" "$want"
+    install_built "$second" "$want"
+    rm -rf "$src"
+    log "$first, $second: built in $((SECONDS - started))s"
+}
+
 # buildkitd and buildctl: BuildKit's go.mod has exclude directives, which `go install` refuses as it
 # refuses replaces, so inside its module tree. CGO off: no libseccomp or gcc needed, and the tests
 # run it with runc from docker.io (the OCI worker), not containerd.
 build_buildkit() {
-    local want="$BUILDKIT_MODULE@$BUILDKIT_VERSION" src started=$SECONDS flags
-    if present buildkitd "$want" && present buildctl "$want"; then
-        log "buildkitd, buildctl $BUILDKIT_VERSION: present"; return
-    fi
-    flags="-s -w -X $BUILDKIT_MODULE/version.Version=$BUILDKIT_VERSION"
-    log "buildkit: go build $want ./cmd/buildkitd ./cmd/buildctl (about 4 min on 2 cores)"
-    src="$(module_tree "$want" "buildkit-$BUILDKIT_VERSION")"
-    (cd "$src" && CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="$flags" \
-        -o "$TOOLS_DIR/bin/buildkitd.partial" ./cmd/buildkitd) || die "building buildkitd failed"
-    (cd "$src" && CGO_ENABLED=0 GOFLAGS=-mod=mod "$GO" build -trimpath -ldflags="$flags" \
-        -o "$TOOLS_DIR/bin/buildctl.partial" ./cmd/buildctl) || die "building buildctl failed"
-    install_built buildkitd "$want"
-    install_built buildctl "$want"
-    rm -rf "$src"
-    log "buildkit: built in $((SECONDS - started))s"
+    build_two "$BUILDKIT_MODULE" "$BUILDKIT_VERSION" buildkitd ./cmd/buildkitd buildctl ./cmd/buildctl \
+        " (about 4 min on 2 cores)"
 }
 
 # Kyverno's CLI (cmd/cli/kubectl-kyverno): replace directives again, so inside its module tree. Opt-in
@@ -185,6 +194,14 @@ build_kyverno() {
     log "kyverno: built in $((SECONDS - started))s"
 }
 
+# containerd 2.x and its ctr, for the time-to-ready benchmark only: no replace directives, but the
+# binaries get names of their own (containerd2, ctr2) so that nothing finds them instead of Debian's.
+# CGO off: the btrfs snapshotter is left out; the benchmark's nodes use overlayfs.
+build_containerd2() {
+    build_two "$CONTAINERD2_MODULE" "$CONTAINERD2_VERSION" containerd2 ./cmd/containerd ctr2 ./cmd/ctr \
+        " (about 2 min on 2 cores)"
+}
+
 build_all() {
     exec 9>"$LOCK"
     if ! flock -n 9; then
@@ -197,6 +214,7 @@ build_all() {
     build_policy_tester
     build_kubernetes
     if [ "${IMAGEBUILD_WITH_KYVERNO:-0}" = 1 ]; then build_kyverno; fi
+    if [ "${IMAGEBUILD_WITH_CONTAINERD2:-0}" = 1 ]; then build_containerd2; fi
     log "test tools ready: buildkitd, buildctl, policy-tester, etcd, kube-apiserver, kubectl"
 }
 
@@ -206,7 +224,9 @@ all_present() {
         && present policy-tester "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" \
         && present kube-apiserver "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
         && present kubectl "$KUBERNETES_MODULE@$KUBERNETES_VERSION +version" \
-        && { [ "${IMAGEBUILD_WITH_KYVERNO:-0}" != 1 ] || present kyverno "$KYVERNO_MODULE@$KYVERNO_VERSION"; }
+        && { [ "${IMAGEBUILD_WITH_KYVERNO:-0}" != 1 ] || present kyverno "$KYVERNO_MODULE@$KYVERNO_VERSION"; } \
+        && { [ "${IMAGEBUILD_WITH_CONTAINERD2:-0}" != 1 ] || { present containerd2 "$CONTAINERD2_MODULE@$CONTAINERD2_VERSION" \
+             && present ctr2 "$CONTAINERD2_MODULE@$CONTAINERD2_VERSION"; }; }
 }
 
 if [ "${1:-}" = "--check" ]; then

@@ -110,7 +110,8 @@ def hardened(tmp_path_factory):
     path = tmp_path_factory.mktemp("hardened") / "matrix.yaml"
     path.write_text(HARDENED, encoding="utf-8")
     matrix = load_matrix(path)
-    return matrix, build_plan(matrix).rendered_files()
+    return matrix, {path: text for path, text in build_plan(matrix).rendered_files().items()
+                    if path.endswith("/Dockerfile")}
 
 
 @pytest.fixture(scope="module", params=["hardened", "production", "example"])
@@ -148,9 +149,9 @@ def test_the_wheels_layer_copies_only_what_paddle_opens(hardened_plan):
     [wheels] = {layer.dockerfile for layer in hardened_plan.layers.values() if "NVIDIA's pip wheels" in layer.dockerfile}
     steps = instructions(wheels)
     copy = next(i for i, (keyword, rest) in enumerate(steps) if keyword == "COPY" and "--from=fetch" in rest)
-    fetch_runs = [rest for keyword, rest in steps[:copy] if keyword == "RUN"]
-    prune = next(run for run in fetch_runs if "libcusolverMg.so*" in run)
-    assert fetch_runs.index(prune) > next(i for i, run in enumerate(fetch_runs) if "pip install" in run)
+    fetch = " ;; ".join(rest for keyword, rest in steps[:copy] if keyword == "RUN")  # the stage's RUNs in order
+    prune = next(rest for keyword, rest in steps[:copy] if keyword == "RUN" and "libcusolverMg.so*" in rest)
+    assert fetch.index("pip install") < fetch.index("libcusolverMg.so*")
     for pattern in ("-name include", "-name __pycache__", "-name '*.a'", "'libcufftw.so*'", "'libnvblas.so*'"):
         assert pattern in prune, pattern
     assert "rm -rf" in prune and "cd /opt/nvidia-wheels/nvidia" in prune
@@ -416,7 +417,7 @@ def test_any_template_edit_is_drift(template, hardened_plan, tmp_path):
     (tmp_path / "matrix.yaml").write_text(HARDENED, encoding="utf-8")
     plan = build_plan(load_matrix(tmp_path / "matrix.yaml"), templates_dir=templates)
     drift = check_tree(tmp_path / "dockerfiles", plan.rendered_files())
-    files = hardened_plan.rendered_files()
+    files = {path: text for path, text in hardened_plan.rendered_files().items() if path.endswith("/Dockerfile")}
     if template == "_macros.j2":
         expected = set(files)
     else:
@@ -425,3 +426,115 @@ def test_any_template_edit_is_drift(template, hardened_plan, tmp_path):
         expected = {path for path, text in of_kind(files, TEMPLATE_KINDS[template]).items() if marker in text}
     assert expected
     assert {(d.reason, d.path) for d in drift} == {("changed", path) for path in expected}
+
+
+# --- the pip layers' split ----------------------------------------------------------------------
+
+
+def split_layers(plan) -> list:
+    """The layers whose Dockerfile installs with pip in a throw-away stage and copies the result in parts."""
+    return [layer for layer in plan.layers.values()
+            if layer.kind == "paddle" or "NVIDIA's pip wheels" in layer.dockerfile]
+
+
+def plan_with(tmp_path, text: str):
+    (tmp_path / "matrix.yaml").write_text(text, encoding="utf-8")
+    return build_plan(load_matrix(tmp_path / "matrix.yaml"))
+
+
+@pytest.mark.parametrize("parts", [2, 4, 16])
+def test_a_split_layer_copies_in_one_part_per_layer(tmp_path, parts):
+    plan = plan_with(tmp_path, HARDENED + f"pip_layers: {{parts: {parts}}}\n")
+    layers = split_layers(plan)
+    assert {layer.kind for layer in layers} == {"cuda", "paddle"}
+    for layer in layers:
+        stage = final_stage(layer.dockerfile)
+        copies = [rest for keyword, rest in stage if keyword == "COPY"]
+        assert copies == [f"--from=fetch /imagebuild-split/parts/{i}/ /" for i in range(1, parts + 1)], layer.path
+        [split] = [run for run in runs(layer.dockerfile) if "layersplit.py split" in run]
+        assert f"split --parts {parts} " in split and "--max-bytes" not in split
+        assert all("pip install" not in rest for keyword, rest in stage if keyword == "RUN")
+
+
+def test_the_paddle_install_is_snapshotted_and_split_in_its_own_run(hardened_plan):
+    for layer in split_layers(hardened_plan):
+        if layer.kind != "paddle":
+            continue
+        [install] = [run for run in runs(layer.dockerfile) if "pip install" in run]
+        snapshot, pip, split = (install.index(s) for s in ("layersplit.py snapshot", "pip install", "layersplit.py split"))
+        assert snapshot < pip < split, layer.path
+        assert "--since /imagebuild-split/before.json /imagebuild-split/parts" in install
+        # The throw-away stage has the layer's apt packages too (an sdist may need them to build), in the same RUN
+        # text as the final stage's, so BuildKit runs it once.
+        fetch_apt, final_apt = [run for run in runs(layer.dockerfile) if "apt-get install" in run]
+        assert fetch_apt == final_apt and "libgl1" in final_apt
+
+
+def test_the_wheels_layer_splits_the_libraries_it_used_to_copy_whole(hardened_plan):
+    for wheels in [layer for layer in split_layers(hardened_plan) if layer.kind == "cuda"]:
+        # One RUN installs, prunes and splits: a RUN of its own would copy each of the 3 GB up before moving it.
+        [install] = [" ".join(run.split()) for run in runs(wheels.dockerfile) if "pip install" in run]
+        assert "--package-root /usr/local/nvidia-wheels --tree /opt/nvidia-wheels/nvidia " \
+               "--dest /usr/local/nvidia-wheels" in install
+        # After the pruning of what Paddle never opens, so no part holds it.
+        assert install.index("pip install") < install.index("libcusolverMg.so*") < install.index("layersplit.py split")
+
+
+def test_a_bound_reaches_the_split_in_bytes(tmp_path):
+    plan = plan_with(tmp_path, HARDENED + "pip_layers: {parts: 6, max_part_mib: 900}\n")
+    for layer in split_layers(plan):
+        [split] = [run for run in runs(layer.dockerfile) if "layersplit.py split" in run]
+        assert f"split --parts 6 --max-bytes {900 << 20} " in split
+
+
+def test_one_copy_of_the_split_program_serves_every_dockerfile_that_runs_it(hardened_plan):
+    from imagebuild.build.render import split_script
+
+    source = Path(str(resources.files("imagebuild") / "build" / "layersplit.py")).read_text(encoding="utf-8")
+    script = split_script()
+    assert script.startswith(GENERATED_HEADER) and script.split("\n", 1)[1] == source
+    assert hardened_plan.rendered_files()["layersplit.py"] == script  # at the root of dockerfiles/
+    for layer in hardened_plan.layers.values():
+        assert set(dict(layer.files)) == {"Dockerfile"}, layer.path
+        if layer in split_layers(hardened_plan):
+            assert layer.shared == (("layersplit.py", script),), layer.path
+            assert ("COPY", "layersplit.py /imagebuild-split/layersplit.py") in instructions(layer.dockerfile)
+        else:
+            assert layer.shared == () and "layersplit" not in layer.dockerfile, layer.path
+
+
+def test_a_layer_that_splits_builds_from_the_root_of_the_dockerfiles(hardened_plan, tmp_path):
+    from imagebuild.build.scheduler import BuildOptions, layer_inputs
+    from imagebuild.core.report import LayerRecord
+
+    options = BuildOptions(dockerfiles=tmp_path / "dockerfiles")
+    for layer in hardened_plan.layers.values():
+        rec = LayerRecord(key=layer.key, kind=layer.kind, path=layer.path, image="r/p/c:t", base_digest="sha256:0")
+        given = layer_inputs(layer, rec, "r/p/c", options)
+        assert given.dockerfile == options.dockerfiles / layer.path
+        assert given.context == (options.dockerfiles if layer.shared else given.dockerfile), layer.path
+
+
+def test_one_part_renders_the_one_layer_install(tmp_path):
+    plan = plan_with(tmp_path, HARDENED + "pip_layers: {parts: 1}\n")
+    for layer in split_layers(plan):
+        assert layer.shared == () and "imagebuild-split" not in layer.dockerfile
+        stage = final_stage(layer.dockerfile)
+        if layer.kind == "cuda":
+            assert ("COPY", "--from=fetch /opt/nvidia-wheels/nvidia /usr/local/nvidia-wheels") in stage
+        else:
+            assert [k for k, _ in instructions(layer.dockerfile)].count("FROM") == 1
+            assert any("pip install" in rest for keyword, rest in stage if keyword == "RUN")
+
+
+def test_going_back_to_one_part_removes_the_split_program(tmp_path):
+    (tmp_path / "split").mkdir()
+    (tmp_path / "one").mkdir()
+    root = tmp_path / "dockerfiles"
+    write_tree(root, plan_with(tmp_path / "split", HARDENED).rendered_files())
+    assert [str(p.relative_to(root)) for p in root.rglob("layersplit.py")] == ["layersplit.py"]
+    one = plan_with(tmp_path / "one", HARDENED + "pip_layers: {parts: 1}\n")
+    assert [line.split()[1] for line in write_tree(root, one.rendered_files()) if line.startswith("stale")] == \
+        ["layersplit.py"]
+    assert not list(root.rglob("layersplit.py"))
+    assert check_tree(root, one.rendered_files()) == []

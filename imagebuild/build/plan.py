@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuild.build.render import render_template
+from imagebuild.build.render import SPLIT_SCRIPT, render_template, split_script
 from imagebuild.config.matrix import _TAG, CPU, Combination, CudaSpec, ExtraLayer, LayerSettings, Matrix, OSSpec
 from imagebuild.config.support import DEFAULT_PLATFORM
 from imagebuild.core.source import InputError, PathKey, suggest
@@ -55,11 +55,18 @@ class Layer:
     platform: str = DEFAULT_PLATFORM
     # How this layer's image is pushed: a variant's release layer may be zstd, every other layer is gzip.
     compression: Compression = DEFAULT_COMPRESSION
+    # Files at the root of dockerfiles/ that this layer's build reads too (the layer split's program: one copy
+    # for every layer that runs it). The build context is then that root; they are part of the key.
+    shared: tuple[tuple[str, str], ...] = ()
 
     @property
     def path(self) -> str:
         """Folder under dockerfiles/."""
         return f"{self.kind}/{self.name}"
+
+    def tree_files(self) -> dict[str, str]:
+        """Every file its build reads, by path under dockerfiles/."""
+        return {f"{self.path}/{name}": text for name, text in self.files} | dict(self.shared)
 
     @property
     def dockerfile(self) -> str:
@@ -141,8 +148,7 @@ class Plan:
 
     def rendered_files(self) -> dict[str, str]:
         """Every generated file under dockerfiles/, by relative path."""
-        return {f"{layer.path}/{name}": content
-                for layer in self.layers.values() for name, content in layer.files}
+        return {path: content for layer in self.layers.values() for path, content in layer.tree_files().items()}
 
     def chain_length_total(self) -> int:
         return sum(len(v.chain) for v in self.variants)
@@ -198,19 +204,24 @@ class _Builder:
 
     def add(self, kind: str, template: str, name: str, parent: str | None, context: dict[str, Any],
             build_args: dict[str, str] | None = None, root: Root | None = None,
-            where: PathKey = ("matrix",), compression: Compression = DEFAULT_COMPRESSION) -> str:
-        """Render and key one layer; `where` is the matrix entry to blame for a folder clash."""
+            where: PathKey = ("matrix",), compression: Compression = DEFAULT_COMPRESSION,
+            split: bool = False) -> str:
+        """Render and key one layer; `where` is the matrix entry to blame for a folder clash; `split`: the
+        Dockerfile runs the layer split, whose program it reads from the root of dockerfiles/."""
         args = dict(build_args or {})
         if root is not None and not root.pinned:
             # The Dockerfile names only the tag; the digest it resolves to is part of the key.
             args["IMAGEBUILD_BASE"] = root.reference
         memo = None
         if kind in self.MEMO_KINDS:
-            memo = (template, name, parent, root, self.platform, _freeze(context), tuple(sorted(args.items())))
+            memo = (template, name, parent, root, self.platform, _freeze(context), tuple(sorted(args.items())), split)
             if memo in self.memo:
                 return self.memo[memo]
         files = {"Dockerfile": render_template(template, context, self.templates_dir)}
-        key = content_key(kind, files, args, parent, self.platform, compression)
+        shared = ((SPLIT_SCRIPT, split_script()),) if split else ()
+        # A shared file is keyed under its path from the root ("/name"), which no file of the folder can have.
+        keyed = files | {f"/{name}": text for name, text in shared}
+        key = content_key(kind, keyed, args, parent, self.platform, compression)
         path = f"{kind}/{name}"
         if self.names.get((path, self.platform), key) != key:
             raise self.matrix.document.error(
@@ -221,7 +232,7 @@ class _Builder:
             self.layers[key] = Layer(kind=kind, name=name, key=key, parent=parent,
                                      files=tuple(sorted(files.items())),
                                      build_args=tuple(sorted(args.items())), root=root, platform=self.platform,
-                                     compression=compression)
+                                     compression=compression, shared=shared)
         if memo is not None:
             self.memo[memo] = key
         return key
@@ -296,8 +307,9 @@ def _chain(b: _Builder, os_spec: OSSpec, cuda: CudaSpec | None, python: str, pad
         if cuda is not None:
             where = ("cuda", cuda.name)
             name = f"{name}-cuda{cuda.version}-cudnn{cuda.cudnn}-wheels"
-            ctx = b.common("cuda", name, m.layers["cuda"]) | {"cuda": cuda}
-            chain.append(b.add("cuda", "cuda-wheels", name, chain[-1], ctx, where=where))
+            ctx = b.common("cuda", name, m.layers["cuda"]) | {"cuda": cuda, "split": m.pip_layers}
+            chain.append(b.add("cuda", "cuda-wheels", name, chain[-1], ctx, where=where,
+                               split=m.pip_layers.parts > 1))
 
     name = f"{name}-py{python}"
     ctx = b.common("python", name, m.layers["python"]) | {"python": python, "os": os_spec}
@@ -311,9 +323,9 @@ def _chain(b: _Builder, os_spec: OSSpec, cuda: CudaSpec | None, python: str, pad
                                      extra_index_urls=settings.extra_index_urls)
     ctx = b.common("paddle", name, settings) | {
         "paddle": paddle, "cuda": cuda, "pip_settings": pip_settings,
-        "package": "paddlepaddle" if cuda is None else "paddlepaddle-gpu",
+        "package": "paddlepaddle" if cuda is None else "paddlepaddle-gpu", "split": m.pip_layers,
     }
-    chain.append(b.add("paddle", "paddle", name, chain[-1], ctx, where=where))
+    chain.append(b.add("paddle", "paddle", name, chain[-1], ctx, where=where, split=m.pip_layers.parts > 1))
 
     for extra in m.extra_layers:
         if extra.applies_to(axes):

@@ -60,7 +60,8 @@ class BuildOptions:
     push_timeout_s: float = 1800  # one layer's push to the cache repository
     push: str = "imagebuild"  # or "docker": `docker push`, one core, gzip level 6 (see publish.py)
     # layer key -> its build context, for a layer that needs files besides its Dockerfile (the
-    # webhook's image: the package source); any other layer's context is its Dockerfile's folder.
+    # webhook's image: the package source); any other layer's context is its Dockerfile's folder, or the root of
+    # dockerfiles/ for a layer that reads a file there (Layer.shared).
     contexts: Mapping[str, Path] = field(default_factory=dict)
 
 
@@ -261,8 +262,8 @@ class Builder:
 
     def check_dockerfiles(self) -> None:
         """Build exactly what the keys describe: the committed files must be current."""
-        wanted = {f"{self.plan.layers[rec.key].path}/{name}": text
-                  for rec in self.report.layers for name, text in self.plan.layers[rec.key].files}
+        wanted = {path: text for rec in self.report.layers
+                  for path, text in self.plan.layers[rec.key].tree_files().items()}
         drift = [d for d in check_tree(self.options.dockerfiles, wanted) if d.path in wanted]
         if drift:
             raise InputError(str(self.options.dockerfiles / drift[0].path), None, "",
@@ -458,9 +459,11 @@ def layer_inputs(layer: Layer, rec: LayerRecord, cache_ref: str, options: BuildO
     if layer.parent is not None:
         args["IMAGEBUILD_PARENT"] = f"{cache_ref}@{rec.base_digest}"
     folder = options.dockerfiles / layer.path
+    # A layer that reads a file shared by several (Layer.shared) builds from the root of dockerfiles/.
+    context = options.dockerfiles if layer.shared else folder
     return LayerInputs(platform=layer.platform, build_args=dict(sorted(args.items())),
                        labels={LAYER_KEY_LABEL: layer.key}, secrets=dict(sorted(options.secrets.items())),
-                       context=options.contexts.get(layer.key, folder), dockerfile=folder)
+                       context=options.contexts.get(layer.key, context), dockerfile=folder)
 
 
 class DockerLayerBuilder:

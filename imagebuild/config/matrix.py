@@ -122,6 +122,25 @@ class LayerSettings:
     run: tuple[str, ...] = ()
 
 
+# How many layers the CUDA wheels' and Paddle's pip installs are each spread over by default: a puller
+# fetches about three layers at once (containerd's and Docker's default), and a 3 GB install in four
+# parts keeps each stream under a gigabyte.
+DEFAULT_PIP_LAYER_PARTS = 4
+MAX_PIP_LAYER_PARTS = 16
+
+
+@dataclass(frozen=True)
+class PipLayers:
+    """`pip_layers`: the big pip installs (CUDA wheels, Paddle) as several layers (imagebuild/build/layersplit.py)."""
+
+    parts: int = DEFAULT_PIP_LAYER_PARTS  # 1: one layer each, as before the split
+    max_part_mib: int | None = None  # the build fails when a part would hold more (unpacked)
+
+    @property
+    def max_bytes(self) -> int | None:
+        return None if self.max_part_mib is None else self.max_part_mib << 20
+
+
 @dataclass(frozen=True)
 class ExtraLayer:
     name: str
@@ -191,6 +210,7 @@ class Matrix:
     combinations: tuple[Combination, ...]
     # Extra smoke tests by layer kind, extra layer name or 'all' (absolute paths); see SMOKE_ALL.
     smoke: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    pip_layers: PipLayers = PipLayers()
     document: Document = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     @property
@@ -216,7 +236,8 @@ def _display(path: str | Path) -> str:
 
 TOP_LEVEL = ("schema", "name", "registry", "project", "repository", "cache_repository", "source",
              "labels", "secrets", "user", "setuid_allowlist", "os", "cuda", "matrix", "tags",
-             "layers", "extra_layers", "allow_unsupported", "smoke", "platforms", "compression")
+             "layers", "extra_layers", "allow_unsupported", "smoke", "platforms", "compression",
+             "pip_layers")
 SMOKE_ALL = "all"  # the `smoke` key whose tests run in every variant
 
 
@@ -258,6 +279,7 @@ class MatrixParser:
         platforms = self._platforms_by_device(top.get("platforms", {}), ("platforms",))
         compression = self._compression(top["compression"], ("compression",)) if "compression" in top \
             else DEFAULT_COMPRESSION
+        pip_layers = self._pip_layers(top.get("pip_layers", {}), ("pip_layers",))
         combos = self._expand(top["matrix"], ("matrix",), os_specs, cuda_specs, platforms, compression)
         self._check_extra_layers_apply(extra, combos)
         self._check_support(combos, cuda_specs, allowed)
@@ -265,7 +287,8 @@ class MatrixParser:
             file=self.doc.file, registry=registry, project=project, repository=repository,
             cache_repository=cache_repository, source=source, labels=labels, secrets=secrets,
             user=user, setuid_allowlist=allowlist, os=os_specs, cuda=cuda_specs, layers=layers,
-            extra_layers=extra, tags=tags, combinations=tuple(combos), smoke=smoke, document=self.doc,
+            extra_layers=extra, tags=tags, combinations=tuple(combos), smoke=smoke, pip_layers=pip_layers,
+            document=self.doc,
         )
 
     # --- scalar kinds ---------------------------------------------------------------
@@ -308,6 +331,19 @@ class MatrixParser:
         if not _PYTHON.fullmatch(text):
             raise self.r.error(path, f"'{text}' is not a Python version like 3.11")
         return text
+
+    def _pip_layers(self, value: Any, path: PathKey) -> PipLayers:
+        spec = self.r.mapping(value, path, allowed=("parts", "max_part_mib"))
+        parts = self.r.integer(spec.get("parts", DEFAULT_PIP_LAYER_PARTS), path + ("parts",),
+                               minimum=1, maximum=MAX_PIP_LAYER_PARTS)
+        limit = None
+        if "max_part_mib" in spec:
+            # 1 TiB: beyond any layer a registry takes, and the bytes stay a plain integer in the RUN line.
+            limit = self.r.integer(spec["max_part_mib"], path + ("max_part_mib",), minimum=1, maximum=1 << 20)
+            if parts == 1:
+                raise self.r.error(path + ("max_part_mib",), "bounds a part, and parts: 1 splits nothing "
+                                                             "(the install stays one layer, as before)")
+        return PipLayers(parts, limit)
 
     def _compression(self, value: Any, path: PathKey) -> Compression:
         text = self._line(value, path)

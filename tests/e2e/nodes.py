@@ -31,11 +31,15 @@ def unmount_below(directory: Path) -> None:
 class ContainerdNode:
     """One node: a containerd of its own, started at once, stopped by `stop()` (or `with`)."""
 
-    def __init__(self, scratch: Path, name: str = "node"):
-        for tool in (CONTAINERD, CTR):
+    def __init__(self, scratch: Path, name: str = "node", binary: str = CONTAINERD, client: str = CTR,
+                 settings: tuple[str, ...] = ()):
+        """`binary` and `client`: another containerd and its ctr (a 2.x build); `settings`: lines added to its
+        config.toml (plugin settings such as the transfer service's max_concurrent_unpacks)."""
+        for tool in (binary, client):
             if not Path(tool).is_file():
                 raise NodeError(f"{tool} is missing: Debian's containerd package (scripts/bootstrap.sh installs "
-                                f"docker.io, which brings it)")
+                                f"docker.io, which brings it), or for a 2.x build scripts/build-test-tools.sh")
+        self.client = client
         self.name = name
         self.dir = Path(tempfile.mkdtemp(prefix=f"containerd-{name}-", dir=scratch))
         self.root = self.dir / "root"
@@ -49,10 +53,10 @@ class ContainerdNode:
             ' "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs",'
             ' "io.containerd.snapshotter.v1.devmapper"]',
             "[grpc]", f'  address = "{self.socket}"', "[ttrpc]", f'  address = "{self.socket}.ttrpc"',
-            '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{self.dir / "opt"}"', ""]))
+            '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{self.dir / "opt"}"', *settings, ""]))
         self.log = self.dir / "containerd.log"
         with self.log.open("w") as out:
-            self.process = subprocess.Popen([CONTAINERD, "--config", str(config)], stdout=out,
+            self.process = subprocess.Popen([binary, "--config", str(config)], stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while not self.socket.exists():
@@ -63,7 +67,7 @@ class ContainerdNode:
             time.sleep(0.05)
 
     def ctr(self, *args: str, namespace: str = NAMESPACE, timeout: float = 3600) -> subprocess.CompletedProcess:
-        return subprocess.run([CTR, "--address", str(self.socket), "--namespace", namespace, *args],
+        return subprocess.run([self.client, "--address", str(self.socket), "--namespace", namespace, *args],
                               capture_output=True, text=True, timeout=timeout, check=False)
 
     def images(self, namespace: str = NAMESPACE) -> dict[str, str]:
