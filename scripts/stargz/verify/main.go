@@ -16,6 +16,7 @@ import (
 	"os"
 	"path"
 	"strings"
+	"time"
 
 	"github.com/containerd/stargz-snapshotter/estargz"
 	digest "github.com/opencontainers/go-digest"
@@ -140,6 +141,17 @@ func compare(reader *estargz.Reader, verifiers estargz.TOCEntryVerifier, name st
 		return fmt.Errorf("the TOC says link %q device %d,%d, the tar link %q device %d,%d", entry.LinkName,
 			entry.DevMajor, entry.DevMinor, header.Linkname, header.Devmajor, header.Devminor)
 	}
+	for key, value := range header.PAXRecords {
+		if name, ok := strings.CutPrefix(key, "SCHILY.xattr."); ok && string(entry.Xattrs[name]) != value {
+			return fmt.Errorf("the TOC's xattr %s is %q, the tar's %q", name, entry.Xattrs[name], value)
+		}
+	}
+	if len(entry.Xattrs) != countXattrs(header) {
+		return fmt.Errorf("the TOC has %d xattrs, the tar %d", len(entry.Xattrs), countXattrs(header))
+	}
+	if want := header.ModTime.Round(time.Second); header.ModTime.Unix() != 0 && !entry.ModTime().Equal(want) {
+		return fmt.Errorf("the TOC's modtime %v, the tar's %v", entry.ModTime(), want)
+	}
 	if header.Typeflag != tar.TypeReg {
 		return nil
 	}
@@ -161,32 +173,43 @@ func compare(reader *estargz.Reader, verifiers estargz.TOCEntryVerifier, name st
 	if err != nil {
 		return err
 	}
+	// Chunk by chunk, each read whole (one decompression of its member), into its verifier and the file's hash.
+	served := digest.Canonical.Digester()
 	for offset := int64(0); offset < entry.Size; {
 		chunk, ok := reader.ChunkEntryForOffset(name, offset)
-		if !ok {
-			return fmt.Errorf("no chunk at offset %d", offset)
+		if !ok || chunk.ChunkOffset != offset {
+			return fmt.Errorf("no chunk starts at offset %d", offset)
 		}
 		verifier, err := verifiers.Verifier(chunk)
 		if err != nil {
 			return err
 		}
-		if _, err := io.Copy(verifier, io.NewSectionReader(content, chunk.ChunkOffset, chunk.ChunkSize)); err != nil {
+		data := make([]byte, chunk.ChunkSize)
+		if _, err := content.ReadAt(data, chunk.ChunkOffset); err != nil && err != io.EOF {
 			return err
 		}
+		_, _ = verifier.Write(data)
 		if !verifier.Verified() {
 			return fmt.Errorf("the chunk at offset %d does not match its chunkDigest", offset)
 		}
+		_, _ = served.Hash().Write(data)
 		out.Chunks++
-		offset = chunk.ChunkOffset + chunk.ChunkSize
-	}
-	served := digest.Canonical.Digester()
-	if _, err := io.Copy(served.Hash(), content); err != nil {
-		return err
+		offset += chunk.ChunkSize
 	}
 	if served.Digest().String() != entry.Digest {
 		return fmt.Errorf("the content served through the TOC hashes to %s, not %s", served.Digest(), entry.Digest)
 	}
 	return nil
+}
+
+func countXattrs(header *tar.Header) int {
+	n := 0
+	for key := range header.PAXRecords {
+		if strings.HasPrefix(key, "SCHILY.xattr.") {
+			n++
+		}
+	}
+	return n
 }
 
 type countingReader struct {
