@@ -1,17 +1,29 @@
 """What an image's start-up reads (imagebuild/build/startup.py), the pure parts: which health check is recorded,
-and the recorder's list read back as the untrusted output it is. The recording itself runs in a real image in
-tests/e2e/test_publish.py."""
+the recorder's record read back as the untrusted output it is, and which files are prefetched. The recording
+itself runs in a real image in tests/e2e/test_release.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from imagebuild.build.startup import MARK, MAX_PATHS, StartupCommand, parse_files, startup_command
+from imagebuild.build.startup import (
+    MARK,
+    MAX_PATHS,
+    Recorded,
+    StartupCommand,
+    parse_recorded,
+    split,
+    startup_command,
+)
 
 
 def _config(test: object) -> dict:
     return {"Healthcheck": {"Test": test, "Interval": 60_000_000_000}}
+
+
+def _line(files: object, mapped: object = None) -> str:
+    return MARK + json.dumps({"files": files, "mapped": {} if mapped is None else mapped})
 
 
 def test_the_release_layers_health_check_is_the_start_up_recorded():
@@ -29,20 +41,35 @@ def test_any_other_health_check_gives_no_start_up(test):
     assert startup_command({}) is None
 
 
-def test_the_recorders_list_is_read_from_its_last_marked_line():
-    output = f"paddle says hello\n{MARK}[\"/old\"]\nmore\n{MARK}" + json.dumps(["/usr/bin/python3", "/a", "/a"])
-    assert parse_files(output) == ["/usr/bin/python3", "/a"]
+def test_the_recorders_record_is_read_from_its_last_marked_line():
+    output = (f"paddle says hello\n{_line(['/old'])}\nmore\n"
+              + _line(["/usr/bin/python3", "/a", "/a"], {"/a": [1, 2]}))
+    assert parse_recorded(output) == Recorded(["/usr/bin/python3", "/a"], {"/a": (1, 2)})
 
 
 @pytest.mark.parametrize(("output", "problem"), [
     ("nothing", "printed no list"),
-    (MARK + "{}", "not a list"),
-    (MARK + json.dumps(["relative/path"]), "not an absolute path"),
-    (MARK + json.dumps(["/a\x00b"]), "not an absolute path"),
-    (MARK + json.dumps([5]), "not an absolute path"),
-    (MARK + json.dumps(["/" + "a" * 5000]), "not an absolute path"),
-    (MARK + json.dumps(["/a"] * (MAX_PATHS + 1)), "at most"),
+    (MARK + "[]", "not a list"),
+    (_line({}), "not a list"),
+    (_line(["relative/path"]), "not an absolute path"),
+    (_line(["/a\x00b"]), "not an absolute path"),
+    (_line([5]), "not an absolute path"),
+    (_line(["/" + "a" * 5000]), "not an absolute path"),
+    (_line(["/a"] * (MAX_PATHS + 1)), "at most"),
+    (_line(["/a"], {"/a": [1]}), "not two whole numbers"),
+    (_line(["/a"], {"/a": [1, -2]}), "not two whole numbers"),
+    (_line(["/a"], {"/a": [True, 2]}), "not two whole numbers"),
+    (_line(["/a"], {"a": [1, 2]}), "not an absolute path"),
 ])
-def test_a_list_that_is_not_absolute_paths_is_refused(output, problem):
+def test_a_record_that_is_not_absolute_paths_and_chunk_counts_is_refused(output, problem):
     with pytest.raises(ValueError, match=problem):
-        parse_files(output)
+        parse_recorded(output)
+
+
+def test_a_large_library_touched_in_less_than_half_its_chunks_is_left_to_on_demand_reads():
+    recorded = Recorded(["/usr/bin/python3.11", "/libphi.so", "/libpaddle.so", "/small.so", "/half.so", "/x.py"],
+                        {"/usr/bin/python3.11": (2, 2), "/libphi.so": (41, 468), "/libpaddle.so": (41, 112),
+                         "/small.so": (1, 4), "/half.so": (5, 10)})
+    first, on_demand = split(recorded)
+    assert first == ["/usr/bin/python3.11", "/small.so", "/half.so", "/x.py"]
+    assert on_demand == {"/libphi.so": (41, 468), "/libpaddle.so": (41, 112)}

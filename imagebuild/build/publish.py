@@ -624,14 +624,15 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
     steps: dict[str, float] = {}
     notes: list[str] = []
     prefetch: dict[str, Any] | None = None
+    on_demand = 0
     if compression.is_estargz and prioritized is None:
         started = time.monotonic()
-        recorded = startup.record(client, image_id, info.get("Config") or {})
+        recorded = startup.record(client, image_id, info.get("Config") or {}, estargz.CHUNK_SIZE)
         steps["startup_s"] = round(time.monotonic() - started, 1)
-        prioritized = recorded.files
+        prioritized, on_demand = recorded.files, len(recorded.on_demand)
         notes.append(recorded.note)
     if compression.is_estargz:
-        prefetch = {"files": len(prioritized or [])}
+        prefetch = {"files": len(prioritized or []), "on_demand": on_demand}
     encoder = _Encoder(compression, threads or len(os.sched_getaffinity(0)), level, tuple(prioritized or ()))
     with Registry(target.registry) as registry:
         if event_hooks:
