@@ -40,8 +40,12 @@ Side by side, for each image:
               --snapshotter stargz` (waits for each layer's prefetch), then the workload, whose
               reads fetch what was not prefetched. Bytes fetched are the registry's own count
               of response bytes, at ready and at the workload's end; the snapshotter's
-              background fetch of the rest (its default; --no-background-fetch to stop it)
-              goes on behind both, so the workload figure is the one a user feels
+              background fetch of the rest (its default) goes on behind both, so the workload
+              figure is the one a user feels. --background-fetch off|both adds the side
+              `estargz-ondemand`: the same with background fetch off (only what is read)
+
+The republished sides run first, and their registry is emptied before the full pulls, so the
+run needs the disk of one side at a time (the GPU image's full pull: about 10 GB).
 
 The peer's builds reuse the engine's BuildKit cache (the figure is the pull, not the build),
 but its push compresses every layer again. The registries read blobs through the page cache:
@@ -183,7 +187,7 @@ def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: b
         store.stop()
 
 
-def pull_lazily(scratch: Path, image: str, ref: str, registry: ThrowAwayRegistry, drop: bool,
+def pull_lazily(scratch: Path, image: str, side: str, ref: str, registry: ThrowAwayRegistry, drop: bool,
                 workload: list[str] | None, background_fetch: bool) -> Pull:
     """A node with the stargz snapshotter: rpull (the layers mounted over FUSE), the container's root file
     system prepared (each layer's prefetch waited for), then the workload reading through FUSE."""
@@ -198,14 +202,14 @@ def pull_lazily(scratch: Path, image: str, ref: str, registry: ThrowAwayRegistry
         pulled_at = time.monotonic()
         if pulled.returncode != 0:
             sys.exit(f"stargz-rpull {ref} failed:\n{pulled.stderr[-2000:]}")
-        made = store.ctr("containers", "create", "--snapshotter", STARGZ, ref, "ttr-estargz", namespace=NAMESPACE)
+        made = store.ctr("containers", "create", "--snapshotter", STARGZ, ref, f"ttr-{side}", namespace=NAMESPACE)
         if made.returncode != 0:
             sys.exit(f"ctr containers create {ref} failed:\n{made.stderr[-2000:]}")
         ready_at = time.monotonic()
         at_ready = registry.served_bytes() - before
         layers = len(store.fuse_mounts())
-        workload_s = run_workload(store, ref, "estargz", workload, STARGZ)
-        return Pull(image=image, side="estargz", ref=ref, pull_s=round(pulled_at - started, 1),
+        workload_s = run_workload(store, ref, side, workload, STARGZ)
+        return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
                     rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=at_ready, unpacked_bytes=0,
                     layers=layers, load_before=round(load, 1), workload_s=workload_s,
                     fetched_by_workload_bytes=registry.served_bytes() - before if workload else None, lazy=True)
@@ -355,9 +359,9 @@ def main() -> int:
                              "estargz: lazily, through the stargz snapshotter)")
     parser.add_argument("--workload", default=WORKLOAD,
                         help=f"Python code the first workload runs with {PYTHON} -c ('' for none)")
-    parser.add_argument("--no-background-fetch", action="store_true",
-                        help="the stargz snapshotter fetches only what is read (its default fetches each whole "
-                             "layer in the background too)")
+    parser.add_argument("--background-fetch", choices=("on", "off", "both"), default="on",
+                        help="the stargz snapshotter's background fetch of each whole layer (its default: on); "
+                             "off: only what is read (side estargz-ondemand); both: the two sides")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -386,19 +390,34 @@ def main() -> int:
                 registry, peer = peer_images(args.matrix, args.base, channel_variants(args.report, channels), scratch)
                 for channel, ref in peer.items():
                     refs[channel]["peer"] = ref
+            def measure(channel: str, side: str, ref: str) -> None:
+                for run in range(args.runs):
+                    if side.startswith("estargz"):
+                        assert republished is not None
+                        pull = pull_lazily(scratch, channel, side, ref, republished, args.drop_caches, workload,
+                                           side == "estargz")
+                    else:
+                        pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches, workload)
+                    print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
+                          f"({pull.fetched_bytes / 1e9:.3f} GB fetched), workload done at {pull.done_s} s "
+                          f"({(pull.fetched_by_workload_bytes or 0) / 1e9:.3f} GB)", file=sys.stderr, flush=True)
+                    pulls.append(pull)
+
+            # The republished sides first; then their registry's storage goes, before the full pulls.
+            lazy_sides = {"on": ["estargz"], "off": ["estargz-ondemand"], "both": ["estargz", "estargz-ondemand"]}
+            for channel in channels:
+                ref = refs[channel].pop("estargz", None)
+                for side in lazy_sides[args.background_fetch] if ref else ():
+                    measure(channel, side, ref)
+                if "zstd" in refs[channel]:
+                    measure(channel, "zstd", refs[channel].pop("zstd"))
+            if republished is not None:
+                republished.stop()
+                shutil.rmtree(republished.dir, ignore_errors=True)
+                republished = None
             for channel in channels:
                 for side, ref in refs[channel].items():
-                    for run in range(args.runs):
-                        if side == "estargz":
-                            assert republished is not None
-                            pull = pull_lazily(scratch, channel, ref, republished, args.drop_caches, workload,
-                                               not args.no_background_fetch)
-                        else:
-                            pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches, workload)
-                        print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
-                              f"({pull.fetched_bytes / 1e9:.3f} GB fetched), workload done at {pull.done_s} s "
-                              f"({(pull.fetched_by_workload_bytes or 0) / 1e9:.3f} GB)", file=sys.stderr, flush=True)
-                        pulls.append(pull)
+                    measure(channel, side, ref)
                 if args.docker_pull:
                     for _ in range(args.runs):
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
@@ -414,12 +433,11 @@ def main() -> int:
         return mine[len(mine) // 2] if mine else None
 
     result: dict = {"cores": os.cpu_count(), "runs": args.runs, "workload": args.workload,
-                    "background_fetch": not args.no_background_fetch,
                     "pulls": [asdict(p) | {"ready_s": p.ready_s, "done_s": p.done_s} for p in pulls], "ratios": {}}
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
           f"{'workload s':>10} {'done s':>7} {'by then GB':>10} {'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "zstd", "estargz", "peer", "docker"):
+        for side in ("imagebuild", "zstd", "estargz", "estargz-ondemand", "peer", "docker"):
             pull = median(channel, side)
             if pull is None:
                 continue
@@ -437,15 +455,16 @@ def main() -> int:
             result["ratios"][channel] = ratio
             print(f"{channel:10} peer/imagebuild ready {ratio['ready']}x; imagebuild fetches "
                   f"{ratio['fetched'] * 100:.1f}% of the peer's bytes")
-        lazy = median(channel, "estargz")
-        for name, full in (("imagebuild", ours), ("peer", theirs)):
-            if lazy and full:
-                ratio = {"ready": round(full.ready_s / lazy.ready_s, 2)}
-                if full.done_s and lazy.done_s:
-                    ratio["done"] = round(full.done_s / lazy.done_s, 2)
-                result["ratios"][f"{channel}-estargz-vs-{name}"] = ratio
-                print(f"{channel:10} {name}/estargz ready {ratio['ready']}x"
-                      + (f", workload done {ratio['done']}x" if "done" in ratio else ""))
+        for lazy_side in ("estargz", "estargz-ondemand"):
+            lazy = median(channel, lazy_side)
+            for name, full in (("imagebuild", ours), ("peer", theirs)):
+                if lazy and full:
+                    ratio = {"ready": round(full.ready_s / lazy.ready_s, 2)}
+                    if full.done_s and lazy.done_s:
+                        ratio["done"] = round(full.done_s / lazy.done_s, 2)
+                    result["ratios"][f"{channel}-{lazy_side}-vs-{name}"] = ratio
+                    print(f"{channel:10} {name}/{lazy_side} ready {ratio['ready']}x"
+                          + (f", workload done {ratio['done']}x" if "done" in ratio else ""))
         zstd = median(channel, "zstd")
         if ours and zstd:
             ratio = {"ready": round(ours.ready_s / zstd.ready_s, 2),

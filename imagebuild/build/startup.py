@@ -55,16 +55,25 @@ except BaseException as exc:
 finally:
     mapped, touched = [], {}
     page = os.sysconf("SC_PAGE_SIZE")
-    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+    try:  # an emulator (qemu-user) may not give the guest's page map: then no file counts as partly read
+        pagemap = open("/proc/self/pagemap", "rb")
+    except OSError:
+        pagemap = None
+    with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(None, 5)
             if len(fields) != 6 or not fields[5].startswith("/"):
                 continue
             path = fields[5].strip()
             mapped.append(path)
+            if pagemap is None:
+                continue
             low, high = (int(x, 16) for x in fields[0].split("-"))
-            pagemap.seek(low // page * 8)
-            entries = pagemap.read((high - low) // page * 8)
+            try:
+                pagemap.seek(low // page * 8)
+                entries = pagemap.read((high - low) // page * 8)
+            except OSError:
+                continue
             chunks = touched.setdefault(path, set())
             for i in range(len(entries) // 8):
                 if entries[i * 8 + 7] & 0x80:  # bit 63: the page is present in this process

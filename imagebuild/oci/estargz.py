@@ -299,14 +299,15 @@ def _members(source: IO[bytes], ordered: Ordered, chunk_size: int, toc: list[dic
             continue
         yield _Member(bytes(pending), starts)
         pending, starts = bytearray(), []
-        whole = hashlib.sha256()
+        whole = hashlib.sha256() if size > chunk_size else None  # one chunk: the file's digest is the chunk's
         first = record
         for chunk_offset in range(0, size, chunk_size):
             length = min(chunk_size, size - chunk_offset)
             chunk = read(length)
             if len(chunk) != length:
                 raise EstargzError(f"{first['name']}: the tar ends inside its content")
-            whole.update(chunk)
+            if whole is not None:
+                whole.update(chunk)
             if chunk_offset:
                 record = {"name": first["name"], "type": "chunk", "chunkOffset": chunk_offset}
             if size - chunk_offset > chunk_size:  # the last chunk's size is left out: "to the end"
@@ -317,7 +318,7 @@ def _members(source: IO[bytes], ordered: Ordered, chunk_size: int, toc: list[dic
                 yield _Member(chunk, [record])
             else:  # the last chunk's member goes on with the padding and the next headers
                 pending, starts = bytearray(chunk + _padding(size)), [record]
-        first["digest"] = "sha256:" + whole.hexdigest()
+        first["digest"] = "sha256:" + whole.hexdigest() if whole is not None else first["chunkDigest"]
     if pending:
         yield _Member(bytes(pending), starts)
 
