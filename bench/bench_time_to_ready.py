@@ -362,6 +362,9 @@ def main() -> int:
     parser.add_argument("--background-fetch", choices=("on", "off", "both"), default="on",
                         help="the stargz snapshotter's background fetch of each whole layer (its default: on); "
                              "off: only what is read (side estargz-ondemand); both: the two sides")
+    parser.add_argument("--scratch", type=Path, default=Path("/var/tmp"),
+                        help="where the nodes, the throw-away registries and the publish's spool go (the GPU "
+                             "image's full pull needs about 10 GB)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
@@ -377,7 +380,7 @@ def main() -> int:
     docker_cli()  # fails clearly when the engine's client is missing
     refs = {c: {"imagebuild": f"{args.region_registry}/{args.repository}:{c}"} for c in channels}
     pulls: list[Pull] = []
-    with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir=args.scratch) as tmp:
         scratch = Path(tmp)
         registry = republished = None
         try:
