@@ -328,8 +328,12 @@ def republished_images(region: str, repository: str, channels: list[str], compre
     refs = {}
     for channel, image in sources.items():
         started = time.monotonic()
-        pushed = publish(image, ImageRef.parse(f"{target.host}/bench/{side}:{channel}"), None, spool=scratch,
-                         compression=compression)
+        try:
+            pushed = publish(image, ImageRef.parse(f"{target.host}/bench/{side}:{channel}"), None, spool=scratch,
+                             compression=compression)
+        except BaseException:
+            target.stop()  # the caller never gets it to stop
+            raise
         prefetch = ""
         if pushed.prefetch is not None:
             layers = pushed.prefetch.get("layers") or []
