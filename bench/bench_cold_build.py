@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -60,7 +61,7 @@ CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 class ThrowAwayRegistry:
     """A registry of our own (as scripts/bootstrap.sh configures them), storage in a temp dir."""
 
-    def __init__(self, scratch: Path, name: str):
+    def __init__(self, scratch: Path, name: str, access_log: bool = False):
         self.dir = scratch / f"registry-{name}"
         (self.dir / "storage").mkdir(parents=True)
         with socket.socket() as probe:
@@ -69,7 +70,8 @@ class ThrowAwayRegistry:
         self.host = f"127.0.0.1:{self.port}"
         config = {
             "version": 0.1,
-            "log": {"level": "warn", "accesslog": {"disabled": True}},
+            # access_log: a "response completed" line per request, with the bytes it wrote (served_bytes).
+            "log": {"level": "info" if access_log else "warn", "accesslog": {"disabled": True}},
             "storage": {"filesystem": {"rootdirectory": str(self.dir / "storage")},
                         "delete": {"enabled": True}, "cache": {"blobdescriptor": "inmemory"}},
             "http": {"addr": self.host},
@@ -89,6 +91,12 @@ class ThrowAwayRegistry:
             time.sleep(0.1)
         self.stop()
         sys.exit(f"the throw-away registry did not start; see {self.dir / 'registry.log'}")
+
+    def served_bytes(self) -> int:
+        """Response bytes of the requests completed so far (a registry started with access_log=True)."""
+        self.log.flush()
+        text = (self.dir / "registry.log").read_text(errors="replace")
+        return sum(int(m.group(1)) for m in re.finditer(r"http\.response\.written=(\d+)", text))
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -3,6 +3,7 @@
     python bench/bench_time_to_ready.py                       # the example's GPU and CPU images, eu-west
     python bench/bench_time_to_ready.py --channels cpu --runs 3 --json-out ttr.json
     python bench/bench_time_to_ready.py --no-peer --docker-pull
+    python bench/bench_time_to_ready.py --compression estargz     # lazy pulling, side by side with gzip and the peer
 
 "Ready" is what a kubelet waits for before it can start the container: every layer fetched,
 decompressed and unpacked into the snapshotter, and the container's root file system prepared
@@ -15,7 +16,9 @@ nothing is cached and nothing is shared with the engine's containerd), through `
   rootfs    `ctr containers create` (the container's snapshot prepared on the image's)
 
 and reports the seconds of each, the bytes fetched (the content store's blobs: manifests,
-config and compressed layers) and the bytes unpacked (the snapshots' apparent size).
+config and compressed layers) and the bytes unpacked (the snapshots' apparent size). Then the
+first workload: `ctr run` of the image's Python running WORKLOAD (`import paddle` and a small
+matrix product, through runc on the prepared root file system), timed to its exit.
 
 Side by side, for each image:
 
@@ -34,6 +37,20 @@ Side by side, for each image:
               layers) pushed again by imagebuild's publish with zstd layers under an OCI
               manifest, into a throw-away registry of its own on loopback, pulled the same way
               (the publish's seconds are printed too); Docker 20.10 cannot pull it
+  estargz     (--compression estargz) the same image pushed again by publish as eStargz (its
+              start-up recorded from its health check, each layer's prefetch landmark after
+              it) into a throw-away registry, pulled LAZILY by a node with the stargz
+              snapshotter (tests/e2e/nodes.py, lazy=True): `stargz-rpull` (the snapshotter
+              mounts each layer over FUSE, fetching its TOC), `ctr containers create
+              --snapshotter stargz` (waits for each layer's prefetch), then the workload, whose
+              reads fetch what was not prefetched. Bytes fetched are the registry's own count
+              of response bytes, at ready and at the workload's end; the snapshotter's
+              background fetch of the rest (its default) goes on behind both, so the workload
+              figure is the one a user feels. --background-fetch off|both adds the side
+              `estargz-ondemand`: the same with background fetch off (only what is read)
+
+The republished sides run first, and their registry is emptied before the full pulls, so the
+run needs the disk of one side at a time (the GPU image's full pull: about 10 GB).
 
 The peer's builds reuse the engine's BuildKit cache (the figure is the pull, not the build),
 but its push compresses every layer again. The registries read blobs through the page cache:
@@ -46,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -67,12 +85,14 @@ from imagebuild.build.publish import publish  # noqa: E402
 from imagebuild.core.runner import docker_cli  # noqa: E402
 from imagebuild.oci.client import INDEX_TYPES, ImageRef, Registry  # noqa: E402
 from imagebuild.oci.compression import Compression, parse_compression  # noqa: E402
-from tests.e2e.nodes import CONTAINERD, CTR, ContainerdNode, unmount_below  # noqa: E402
+from tests.e2e.nodes import CONTAINERD, CTR, STARGZ, STARGZ_GRPC, STARGZ_RPULL, ContainerdNode, unmount_below  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
 CONTAINERD2 = "/opt/imagebuild-tools/bin/containerd2"
 CTR2 = "/opt/imagebuild-tools/bin/ctr2"
 NAMESPACE = "ttr"
+PYTHON = "/opt/venv/bin/python"  # the example images' interpreter (their health check's)
+WORKLOAD = "import paddle; x = paddle.rand([256, 256]); print(float((x @ x).sum()))"
 
 
 @dataclass
@@ -84,16 +104,24 @@ class Pull:
     ref: str
     pull_s: float
     rootfs_s: float
-    fetched_bytes: int
+    fetched_bytes: int  # by the time the root file system was ready
     unpacked_bytes: int
     layers: int
     load_before: float
     layer_blobs: list[int] = field(default_factory=list)  # each layer's compressed bytes, as the manifest says
     layer_bytes: list[int] = field(default_factory=list)  # each layer's unpacked bytes (containerd's snapshots)
+    workload_s: float | None = None  # the first workload's run, after ready
+    fetched_by_workload_bytes: int | None = None  # by the time it ended (lazy: its reads, and background fetch)
+    lazy: bool = False
 
     @property
     def ready_s(self) -> float:
         return round(self.pull_s + self.rootfs_s, 1)
+
+    @property
+    def done_s(self) -> float | None:
+        """Ready, then the first workload: what a user waits for."""
+        return None if self.workload_s is None else round(self.ready_s + self.workload_s, 1)
 
 
 def tree_bytes(root: Path) -> int:
@@ -143,7 +171,21 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool, unpacks: int = 0) -> Pull:
+def run_workload(store: ContainerdNode, ref: str, side: str, workload: list[str] | None,
+                 snapshotter: str | None = None) -> float | None:
+    """`ctr run` of the workload in a container of its own on the pulled image; its seconds to exit."""
+    if not workload:
+        return None
+    extra = ["--snapshotter", snapshotter] if snapshotter else []
+    started = time.monotonic()
+    ran = store.ctr("run", "--rm", *extra, ref, f"ttr-run-{side}", *workload, namespace=NAMESPACE)
+    if ran.returncode != 0:
+        sys.exit(f"ctr run {ref} {shlex.join(workload)} failed:\n{ran.stdout[-1000:]}{ran.stderr[-2000:]}")
+    return round(time.monotonic() - started, 1)
+
+
+def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: bool,
+                         workload: list[str] | None = None, unpacks: int = 0) -> Pull:
     """With `unpacks`, the node is a containerd 2.x that unpacks that many layers at once."""
     store = ContainerdNode(scratch, "ttr") if not unpacks else ContainerdNode(
         scratch, "ttr2", binary=CONTAINERD2, client=CTR2,
@@ -164,10 +206,44 @@ def pull_into_containerd(scratch: Path, image: str, side: str, ref: str, drop: b
         blobs = store.root / "io.containerd.content.v1.content" / "blobs"
         snapshots = store.root / "io.containerd.snapshotter.v1.overlayfs" / "snapshots"
         layers = store.ctr("snapshots", "ls", namespace=NAMESPACE).stdout.count("Committed")
+        unpacked = tree_bytes(snapshots)
+        workload_s = run_workload(store, ref, side, workload)
+        fetched = tree_bytes(blobs)
         return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
-                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=tree_bytes(blobs),
-                    unpacked_bytes=tree_bytes(snapshots), layers=layers, load_before=round(load, 1),
+                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=fetched,
+                    unpacked_bytes=unpacked, layers=layers, load_before=round(load, 1), workload_s=workload_s,
+                    fetched_by_workload_bytes=fetched if workload else None,
                     layer_blobs=layer_blob_sizes(ref), layer_bytes=snapshot_sizes(snapshots, layers))
+    finally:
+        store.stop()
+
+
+def pull_lazily(scratch: Path, image: str, side: str, ref: str, registry: ThrowAwayRegistry, drop: bool,
+                workload: list[str] | None, background_fetch: bool) -> Pull:
+    """A node with the stargz snapshotter: rpull (the layers mounted over FUSE), the container's root file
+    system prepared (each layer's prefetch waited for), then the workload reading through FUSE."""
+    store = ContainerdNode(scratch, "ttr-lazy", lazy=True, background_fetch=background_fetch)
+    try:
+        if drop:
+            drop_caches()
+        load = os.getloadavg()[0]
+        before = registry.served_bytes()
+        started = time.monotonic()
+        pulled = store.rpull(ref, namespace=NAMESPACE)
+        pulled_at = time.monotonic()
+        if pulled.returncode != 0:
+            sys.exit(f"stargz-rpull {ref} failed:\n{pulled.stderr[-2000:]}")
+        made = store.ctr("containers", "create", "--snapshotter", STARGZ, ref, f"ttr-{side}", namespace=NAMESPACE)
+        if made.returncode != 0:
+            sys.exit(f"ctr containers create {ref} failed:\n{made.stderr[-2000:]}")
+        ready_at = time.monotonic()
+        at_ready = registry.served_bytes() - before
+        layers = len(store.fuse_mounts())
+        workload_s = run_workload(store, ref, side, workload, STARGZ)
+        return Pull(image=image, side=side, ref=ref, pull_s=round(pulled_at - started, 1),
+                    rootfs_s=round(ready_at - pulled_at, 2), fetched_bytes=at_ready, unpacked_bytes=0,
+                    layers=layers, load_before=round(load, 1), workload_s=workload_s,
+                    fetched_by_workload_bytes=registry.served_bytes() - before if workload else None, lazy=True)
     finally:
         store.stop()
 
@@ -255,20 +331,23 @@ def peer_images(matrix: Path, base: str, variants: dict[str, str], scratch: Path
     return registry, refs
 
 
-def zstd_images(region: str, repository: str, channels: list[str], compression: Compression,
-                scratch: Path) -> tuple[ThrowAwayRegistry, dict[str, str]]:
-    """Each channel's region image pushed again as zstd into a throw-away registry; channel -> its ref by digest.
+def republished_images(region: str, repository: str, channels: list[str], compression: Compression,
+                       scratch: Path) -> tuple[ThrowAwayRegistry, dict[str, str]]:
+    """Each channel's region image pushed again as zstd or eStargz into a throw-away registry; channel -> its
+    ref by digest.
 
     The bytes are the engine's own copy of the image (the config the region's manifest names, so
-    the same diff_ids), read and compressed by imagebuild's publish, every layer new to the registry.
+    the same diff_ids), read and compressed by imagebuild's publish, every layer new to the registry
+    (eStargz: the start-up recorded in the image first, as a release push does).
     """
+    side = compression.algorithm
     engine = docker.from_env(timeout=600)
     sources: dict[str, str] = {}
     with Registry(region) as registry:
         for channel in channels:
             raw, media_type, _ = registry.get_manifest(repository, channel)
             if media_type in INDEX_TYPES:
-                print(f"[zstd] {channel}: an index; skipped", file=sys.stderr)
+                print(f"[{side}] {channel}: an index; skipped", file=sys.stderr)
                 continue
             config = json.loads(raw)["config"]["digest"]
             try:
@@ -276,15 +355,24 @@ def zstd_images(region: str, repository: str, channels: list[str], compression: 
             except docker.errors.ImageNotFound:
                 sys.exit(f"{region}/{repository}:{channel}: the engine holds no image of config {config} "
                          "(run scripts/example.sh on this host)")
-    target = ThrowAwayRegistry(scratch, "ttr-zstd")
+    target = ThrowAwayRegistry(scratch, f"ttr-{side}", access_log=compression.is_estargz)
     refs = {}
     for channel, image in sources.items():
         started = time.monotonic()
-        pushed = publish(image, ImageRef.parse(f"{target.host}/bench/zstd:{channel}"), None, spool=scratch,
-                         compression=compression)
-        print(f"[zstd] {channel}: published as {compression.spec} in {time.monotonic() - started:.1f} s "
-              f"({pushed.uploaded_bytes / 1e9:.3f} GB of blobs; {pushed.steps})", file=sys.stderr, flush=True)
-        refs[channel] = f"{target.host}/bench/zstd@{pushed.digest}"
+        try:
+            pushed = publish(image, ImageRef.parse(f"{target.host}/bench/{side}:{channel}"), None, spool=scratch,
+                             compression=compression)
+        except BaseException:
+            target.stop()  # the caller never gets it to stop
+            raise
+        prefetch = ""
+        if pushed.prefetch is not None:
+            layers = pushed.prefetch.get("layers") or []
+            prefetch = (f"; start-up read {pushed.prefetch['files']} files, {sum(x['prioritized'] for x in layers)} "
+                        f"entries prioritized, {sum(x['prefetch_bytes'] for x in layers) / 1e9:.3f} GB to prefetch")
+        print(f"[{side}] {channel}: published as {compression.spec} in {time.monotonic() - started:.1f} s "
+              f"({pushed.uploaded_bytes / 1e9:.3f} GB of blobs; {pushed.steps}{prefetch})", file=sys.stderr, flush=True)
+        refs[channel] = f"{target.host}/bench/{side}@{pushed.digest}"
     return target, refs
 
 
@@ -301,8 +389,17 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip the plain docker build + push side")
     parser.add_argument("--docker-pull", action="store_true", help="also time docker pull into an empty data root")
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each pull (root)")
-    parser.add_argument("--compression", type=parse_compression, default=None, metavar="zstd[:LEVEL]",
-                        help="also pull each image pushed again with this layer compression (the zstd side)")
+    parser.add_argument("--compression", type=parse_compression, default=None, metavar="zstd[:LEVEL]|estargz",
+                        help="also pull each image pushed again with this layer compression (zstd: in full; "
+                             "estargz: lazily, through the stargz snapshotter)")
+    parser.add_argument("--workload", default=WORKLOAD,
+                        help=f"Python code the first workload runs with {PYTHON} -c ('' for none)")
+    parser.add_argument("--background-fetch", choices=("on", "off", "both"), default="on",
+                        help="the stargz snapshotter's background fetch of each whole layer (its default: on); "
+                             "off: only what is read (side estargz-ondemand); both: the two sides")
+    parser.add_argument("--scratch", type=Path, default=Path("/var/tmp"),
+                        help="where the nodes, the throw-away registries and the publish's spool go (the GPU "
+                             "image's full pull needs about 10 GB)")
     parser.add_argument("--split", action="append", default=[], metavar="CHANNEL=REF",
                         help="also pull REF as the channel's 'split' side (e.g. the image with its pip layers split)")
     parser.add_argument("--containerd2", type=int, default=0, metavar="UNPACKS",
@@ -313,6 +410,11 @@ def main() -> int:
     for tool in (CONTAINERD, CTR):
         if not Path(tool).is_file():
             sys.exit(f"{tool} is missing (Debian's containerd package; scripts/bootstrap.sh installs docker.io)")
+    lazy = args.compression is not None and args.compression.is_estargz
+    for tool in (STARGZ_GRPC, STARGZ_RPULL) if lazy else ():
+        if not tool.is_file():
+            sys.exit(f"{tool} is missing (scripts/build-test-tools.sh builds it)")
+    workload = [PYTHON, "-c", args.workload] if args.workload else None
     channels = [c for c in args.channels.split(",") if c]
     docker_cli()  # fails clearly when the engine's client is missing
     refs = {c: {"imagebuild": f"{args.region_registry}/{args.repository}:{c}"} for c in channels}
@@ -322,19 +424,44 @@ def main() -> int:
             sys.exit(f"--split {given}: give CHANNEL=REF for one of the channels ({', '.join(channels)})")
         refs[channel]["split"] = ref
     pulls: list[Pull] = []
-    with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir="/var/tmp") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-ttr-", dir=args.scratch) as tmp:
         scratch = Path(tmp)
-        registry = zstd_registry = None
+        registry = republished = None
         try:
             if args.compression is not None and not args.compression.is_gzip:
-                zstd_registry, zstd_refs = zstd_images(args.region_registry, args.repository, channels,
-                                                       args.compression, scratch)
-                for channel, ref in zstd_refs.items():
-                    refs[channel]["zstd"] = ref
+                republished, again = republished_images(args.region_registry, args.repository, channels,
+                                                        args.compression, scratch)
+                for channel, ref in again.items():
+                    refs[channel][args.compression.algorithm] = ref
             if not args.no_peer:
                 registry, peer = peer_images(args.matrix, args.base, channel_variants(args.report, channels), scratch)
                 for channel, ref in peer.items():
                     refs[channel]["peer"] = ref
+            def measure(channel: str, side: str, ref: str) -> None:
+                for run in range(args.runs):
+                    if side.startswith("estargz"):
+                        assert republished is not None
+                        pull = pull_lazily(scratch, channel, side, ref, republished, args.drop_caches, workload,
+                                           side == "estargz")
+                    else:
+                        pull = pull_into_containerd(scratch, channel, side, ref, args.drop_caches, workload)
+                    print(f"[{channel} {side} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
+                          f"({pull.fetched_bytes / 1e9:.3f} GB fetched), workload done at {pull.done_s} s "
+                          f"({(pull.fetched_by_workload_bytes or 0) / 1e9:.3f} GB)", file=sys.stderr, flush=True)
+                    pulls.append(pull)
+
+            # The republished sides first; then their registry's storage goes, before the full pulls.
+            lazy_sides = {"on": ["estargz"], "off": ["estargz-ondemand"], "both": ["estargz", "estargz-ondemand"]}
+            for channel in channels:
+                ref = refs[channel].pop("estargz", None)
+                for side in lazy_sides[args.background_fetch] if ref else ():
+                    measure(channel, side, ref)
+                if "zstd" in refs[channel]:
+                    measure(channel, "zstd", refs[channel].pop("zstd"))
+            if republished is not None:
+                republished.stop()
+                shutil.rmtree(republished.dir, ignore_errors=True)
+                republished = None
             for channel in channels:
                 # Run by run, every side once: on a shared machine the load moves, and each side gets its share.
                 for run in range(args.runs):
@@ -342,9 +469,11 @@ def main() -> int:
                         again = args.containerd2 and side in ("imagebuild", "split")
                         for unpacks in (0, args.containerd2) if again else (0,):
                             named = f"c2-{side}" if unpacks else side
-                            pull = pull_into_containerd(scratch, channel, named, ref, args.drop_caches, unpacks)
+                            pull = pull_into_containerd(scratch, channel, named, ref, args.drop_caches, workload,
+                                                        unpacks)
                             print(f"[{channel} {named} {run + 1}/{args.runs}] ready in {pull.ready_s} s "
-                                  f"({pull.fetched_bytes / 1e9:.2f} GB fetched)", file=sys.stderr, flush=True)
+                                  f"({pull.fetched_bytes / 1e9:.3f} GB fetched), workload done at {pull.done_s} s",
+                                  file=sys.stderr, flush=True)
                             pulls.append(pull)
                     if args.docker_pull:
                         pulls.append(pull_into_docker(scratch, channel, refs[channel]["imagebuild"], args.drop_caches))
@@ -352,8 +481,8 @@ def main() -> int:
                             pulls.append(pull_into_docker(scratch, channel, refs[channel]["split"], args.drop_caches,
                                                           side="docker-split"))
         finally:
-            if zstd_registry is not None:
-                zstd_registry.stop()
+            if republished is not None:
+                republished.stop()
             if registry is not None:
                 registry.stop()
                 make_cold(docker.from_env(timeout=600), [registry.host], prune=False)  # the peer's tags
@@ -362,18 +491,23 @@ def main() -> int:
         mine = sorted((p for p in pulls if p.image == image and p.side == side), key=lambda p: p.ready_s)
         return mine[len(mine) // 2] if mine else None
 
-    result: dict = {"cores": os.cpu_count(), "runs": args.runs, "pulls": [asdict(p) | {"ready_s": p.ready_s} for p in pulls],
-                    "ratios": {}}
+    result: dict = {"cores": os.cpu_count(), "runs": args.runs, "workload": args.workload,
+                    "pulls": [asdict(p) | {"ready_s": p.ready_s, "done_s": p.done_s} for p in pulls], "ratios": {}}
     print(f"\n{'image':10} {'side':11} {'ready s':>8} {'pull s':>7} {'rootfs s':>8} {'fetched GB':>10} "
-          f"{'unpacked GB':>11} {'layers':>6} {'load':>5}")
+          f"{'workload s':>10} {'done s':>7} {'by then GB':>10} {'unpacked GB':>11} {'layers':>6} {'load':>5}")
     for channel in channels:
-        for side in ("imagebuild", "split", "c2-imagebuild", "c2-split", "zstd", "peer", "docker", "docker-split"):
+        for side in ("imagebuild", "split", "c2-imagebuild", "c2-split", "zstd", "estargz", "estargz-ondemand", "peer",
+                     "docker", "docker-split"):
             pull = median(channel, side)
             if pull is None:
                 continue
             fetched = f"{pull.fetched_bytes / 1e9:.3f}" if pull.fetched_bytes else "-"
+            by_then = f"{pull.fetched_by_workload_bytes / 1e9:.3f}" if pull.fetched_by_workload_bytes else "-"
+            unpacked = "lazy" if pull.lazy else f"{pull.unpacked_bytes / 1e9:.3f}"
             print(f"{channel:10} {side:11} {pull.ready_s:8.1f} {pull.pull_s:7.1f} {pull.rootfs_s:8.2f} {fetched:>10} "
-                  f"{pull.unpacked_bytes / 1e9:11.3f} {pull.layers:6} {pull.load_before:5.1f}")
+                  f"{pull.workload_s if pull.workload_s is not None else '-':>10} "
+                  f"{pull.done_s if pull.done_s is not None else '-':>7} {by_then:>10} "
+                  f"{unpacked:>11} {pull.layers:6} {pull.load_before:5.1f}")
         ours, theirs = median(channel, "imagebuild"), median(channel, "peer")
         if ours and theirs:
             ratio = {"ready": round(theirs.ready_s / ours.ready_s, 2),
@@ -391,6 +525,16 @@ def main() -> int:
             if pull is not None and pull.layer_blobs:
                 print(f"{channel:10} {side:11} layers, MB compressed / unpacked: " + "  ".join(
                     f"{b / 1e6:.1f}/{u / 1e6:.1f}" for b, u in zip(pull.layer_blobs, pull.layer_bytes)))
+        for lazy_side in ("estargz", "estargz-ondemand"):
+            lazy = median(channel, lazy_side)
+            for name, full in (("imagebuild", ours), ("peer", theirs)):
+                if lazy and full:
+                    ratio = {"ready": round(full.ready_s / lazy.ready_s, 2)}
+                    if full.done_s and lazy.done_s:
+                        ratio["done"] = round(full.done_s / lazy.done_s, 2)
+                    result["ratios"][f"{channel}-{lazy_side}-vs-{name}"] = ratio
+                    print(f"{channel:10} {name}/{lazy_side} ready {ratio['ready']}x"
+                          + (f", workload done {ratio['done']}x" if "done" in ratio else ""))
         zstd = median(channel, "zstd")
         if ours and zstd:
             ratio = {"ready": round(ours.ready_s / zstd.ready_s, 2),

@@ -6,6 +6,9 @@
 #   etcd            go.etcd.io/etcd/server/v3 through a small wrapper module
 #   buildkitd       github.com/moby/buildkit's daemon, and buildctl beside it (the builder pool)
 #   containerd2     containerd 2.x and ctr2 (opt-in, IMAGEBUILD_WITH_CONTAINERD2=1: bench_time_to_ready only)
+#   containerd-stargz-grpc, stargz-rpull, estargz-verify
+#                   github.com/containerd/stargz-snapshotter through our wrapper module (scripts/stargz/):
+#                   the lazy-pulling snapshotter, a pull client that passes its labels, and a verifier
 #
 # Usage: scripts/build-test-tools.sh            build what is missing, in the foreground; wait
 #                                               for a build another process is running
@@ -180,6 +183,39 @@ build_buildkit() {
         " (about 4 min on 2 cores)"
 }
 
+# The stargz snapshotter: upstream's daemon and ctr-remote live in a module the Go proxy does not serve
+# (github.com/containerd/stargz-snapshotter/cmd), so scripts/stargz/ holds three small mains of ours over
+# the published packages; the stamp names a hash of their sources too, so an edit rebuilds them.
+STARGZ_TOOLS=(containerd-stargz-grpc:snapshotter stargz-rpull:rpull estargz-verify:verify)
+stargz_want() {
+    local sources
+    sources="$(cd "$SCRIPT_DIR/stargz" && cat ./*/main.go | sha256sum | cut -c1-16)"
+    printf '%s@%s+src-%s\n' "$STARGZ_MODULE" "$STARGZ_VERSION" "$sources"
+}
+build_stargz() {
+    local want src="$TOOLS_DIR/src/stargz-wrapper" started=$SECONDS tool name dir ver missing=0
+    want="$(stargz_want)"
+    for tool in "${STARGZ_TOOLS[@]}"; do present "${tool%%:*}" "$want" || missing=1; done
+    [ "$missing" = 0 ] && { log "stargz tools $STARGZ_VERSION: present"; return; }
+    ver="$("$GO" env GOVERSION)"
+    version_ge "${ver#go}" "$STARGZ_GO_MIN_VERSION" \
+        || die "the stargz snapshotter $STARGZ_VERSION needs Go >= $STARGZ_GO_MIN_VERSION, $GO is $ver"
+    log "stargz: go build $STARGZ_MODULE@$STARGZ_VERSION through scripts/stargz/ (about 3 min on 2 cores)"
+    rm -rf "$src"; mkdir -p "$src"
+    cp -r "$SCRIPT_DIR/stargz/." "$src/"
+    printf 'module imagebuild.local/stargz\n\ngo %s\n' "$STARGZ_GO_MIN_VERSION" >"$src/go.mod"
+    (cd "$src" && "$GO" get "$STARGZ_MODULE@$STARGZ_VERSION" "$STARGZ_MODULE/estargz@$STARGZ_VERSION" \
+        && "$GO" mod tidy) || die "resolving the stargz snapshotter's modules failed"
+    for tool in "${STARGZ_TOOLS[@]}"; do
+        name="${tool%%:*}"; dir="${tool##*:}"
+        (cd "$src" && CGO_ENABLED=0 "$GO" build "${GOBUILD[@]}" -o "$TOOLS_DIR/bin/$name.partial" "./$dir") \
+            || die "building $name failed"
+    done
+    for tool in "${STARGZ_TOOLS[@]}"; do install_built "${tool%%:*}" "$want"; done
+    rm -rf "$src"
+    log "stargz: built in $((SECONDS - started))s"
+}
+
 # Kyverno's CLI (cmd/cli/kubectl-kyverno): replace directives again, so inside its module tree. Opt-in
 # (IMAGEBUILD_WITH_KYVERNO=1): its build is about twice the tester's, more than CI's budget allows.
 build_kyverno() {
@@ -210,15 +246,19 @@ build_all() {
     fi
     find_go
     build_buildkit
+    build_stargz
     build_etcd
     build_policy_tester
     build_kubernetes
     if [ "${IMAGEBUILD_WITH_KYVERNO:-0}" = 1 ]; then build_kyverno; fi
     if [ "${IMAGEBUILD_WITH_CONTAINERD2:-0}" = 1 ]; then build_containerd2; fi
-    log "test tools ready: buildkitd, buildctl, policy-tester, etcd, kube-apiserver, kubectl"
+    log "test tools ready: buildkitd, buildctl, stargz tools, policy-tester, etcd, kube-apiserver, kubectl"
 }
 
 all_present() {
+    local tool want
+    want="$(stargz_want)"
+    for tool in "${STARGZ_TOOLS[@]}"; do present "${tool%%:*}" "$want" || return 1; done
     present buildkitd "$BUILDKIT_MODULE@$BUILDKIT_VERSION" && present buildctl "$BUILDKIT_MODULE@$BUILDKIT_VERSION" \
         && present etcd "$ETCD_MODULE@$ETCD_VERSION" \
         && present policy-tester "$POLICY_CONTROLLER_MODULE@$POLICY_CONTROLLER_VERSION" \
@@ -234,7 +274,7 @@ if [ "${1:-}" = "--check" ]; then
     exit
 fi
 if [ "${1:-}" = "--detach" ]; then
-    all_present && { log "present: buildkitd, buildctl, policy-tester, etcd, kube-apiserver, kubectl"; exit 0; }
+    all_present && { log "present: buildkitd, buildctl, stargz tools, policy-tester, etcd, kube-apiserver, kubectl"; exit 0; }
     # setsid: the build outlives the bootstrap that started it; nice/ionice: it takes only the
     # CPU and disk the main job leaves.
     setsid nice -n 19 ionice -c 3 "$0" </dev/null >>"$DETACHED_LOG" 2>&1 &

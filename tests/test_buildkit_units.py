@@ -135,3 +135,16 @@ def test_a_zstd_release_is_pushed_by_the_daemon_with_every_layer_as_oci_zstd(tmp
     assert argv[argv.index("--output") + 1] == (
         f"type=image,name={rec.image},push=true,registry.insecure=true,"
         "compression=zstd,compression-level=5,force-compression=true,oci-mediatypes=true")
+
+
+def test_an_estargz_release_is_pushed_by_the_daemons_own_estargz_converter(tmp_path, layer_and_options):
+    import dataclasses
+
+    from imagebuild.oci.compression import Compression
+
+    plan, layer, rec, options = layer_and_options
+    estargz = dataclasses.replace(layer, compression=Compression("estargz"))
+    argv = builder(tmp_path, plan, options).command(estargz, rec, tmp_path / "metadata.json")
+    assert argv[argv.index("--output") + 1] == (
+        f"type=image,name={rec.image},push=true,registry.insecure=true,"
+        "compression=estargz,force-compression=true,oci-mediatypes=true")

@@ -12,7 +12,9 @@ import pytest
 
 from imagebuild.build.publish import (
     Descriptor,
+    PublishError,
     _Encoder,
+    estargz_config,
     image_manifest,
     reusable_layers,
     schema2_manifest,
@@ -23,6 +25,7 @@ from imagebuild.oci import compression as media
 from imagebuild.oci.compression import DEFAULT, Compression, parse_compression
 
 ZSTD = Compression("zstd", 3)
+ESTARGZ = Compression("estargz")
 
 
 def _digest(text: str) -> str:
@@ -33,8 +36,8 @@ def _digest(text: str) -> str:
 
 
 @pytest.mark.parametrize(("text", "spec"), [("gzip", "gzip"), ("zstd", "zstd:3"), ("zstd:1", "zstd:1"),
-                                            ("zstd:19", "zstd:19"), (" zstd:7 ", "zstd:7")])
-def test_gzip_zstd_and_zstd_with_a_level_are_read(text, spec):
+                                            ("zstd:19", "zstd:19"), (" zstd:7 ", "zstd:7"), ("estargz", "estargz")])
+def test_gzip_zstd_zstd_with_a_level_and_estargz_are_read(text, spec):
     assert parse_compression(text).spec == spec
 
 
@@ -51,19 +54,27 @@ def test_zstd_says_oci_manifest_config_and_zstd_layers():
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("brotli", "'brotli' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>)"),
+    ("brotli", "'brotli' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>, estargz)"),
     ("zstd:0", "the zstd level must be a whole number from 1 to 19"),
     ("zstd:20", "the zstd level must be a whole number from 1 to 19"),
     ("zstd:-1", "the zstd level must be a whole number from 1 to 19"),
     ("zstd:", "the zstd level must be a whole number from 1 to 19"),
     ("zstd:fast", "the zstd level must be a whole number from 1 to 19"),
     ("gzip:6", "gzip takes no level"),
+    ("estargz:9", "estargz takes no level"),
     ("ZSTD", "is not a layer compression"),
 ])
 def test_anything_else_is_refused_in_one_line(text, message):
     with pytest.raises(ValueError, match=re.escape(message)) as caught:
         parse_compression(text)
     assert "\n" not in str(caught.value)
+
+
+def test_estargz_says_oci_manifest_config_and_gzip_layers_and_is_not_the_default_gzip():
+    estargz = parse_compression("estargz")
+    assert estargz == ESTARGZ and estargz.is_estargz and not estargz.is_gzip
+    assert (estargz.manifest_media_type, estargz.config_media_type, estargz.layer_media_type) == \
+        (media.OCI_MANIFEST, media.OCI_CONFIG, media.OCI_LAYER_GZIP)
 
 
 # --- manifests ---------------------------------------------------------------------------------
@@ -86,6 +97,28 @@ def test_a_zstd_push_is_an_oci_manifest_of_the_same_config_with_zstd_layers():
         [(media.OCI_LAYER_ZSTD, layer.digest, layer.size) for layer in layers]
 
 
+def test_an_estargz_push_is_an_oci_manifest_whose_layers_carry_their_toc_digests():
+    config = Descriptor(media.OCI_CONFIG, _digest("c"), 12)
+    annotations = (("containerd.io/snapshot/stargz/toc.digest", _digest("toc")),
+                   ("io.containers.estargz.uncompressed-size", "1536"))
+    layer = Descriptor(media.OCI_LAYER_GZIP, _digest("e0"), 3, annotations)
+    manifest = json.loads(image_manifest(config, [layer], ESTARGZ))
+    assert manifest["mediaType"] == media.OCI_MANIFEST and manifest["config"]["mediaType"] == media.OCI_CONFIG
+    assert manifest["layers"] == [{"mediaType": media.OCI_LAYER_GZIP, "size": 3, "digest": layer.digest,
+                                   "annotations": dict(annotations)}]
+
+
+def test_the_estargz_config_changes_only_the_diff_ids():
+    config = {"architecture": "amd64", "config": {"Labels": {"a": "<b&c>"}, "User": "1000:1000"},
+              "history": [{"created_by": "x"}, {"created_by": "y"}], "os": "linux",
+              "rootfs": {"type": "layers", "diff_ids": [_digest("d0"), _digest("d1")]}}
+    rewritten = json.loads(estargz_config(json.dumps(config).encode(), [_digest("e0"), _digest("e1")]))
+    assert rewritten == {**config, "rootfs": {"type": "layers", "diff_ids": [_digest("e0"), _digest("e1")]}}
+    assert list(rewritten) == list(config)
+    with pytest.raises(PublishError, match="lists 2 layers, the eStargz push 1"):
+        estargz_config(json.dumps(config).encode(), [_digest("e0")])
+
+
 # --- reuse -------------------------------------------------------------------------------------
 
 
@@ -97,10 +130,12 @@ def _parent() -> tuple[dict[str, object], dict[str, object], list[str]]:
     return manifest, {"rootfs": {"diff_ids": diff_ids}}, diff_ids
 
 
-def test_a_gzip_push_reuses_only_gzip_blobs_and_a_zstd_push_only_zstd_blobs():
+def test_a_gzip_push_reuses_only_gzip_blobs_a_zstd_push_only_zstd_blobs_and_an_estargz_push_none():
     manifest, config, diff_ids = _parent()
     assert set(reusable_layers(manifest, config)) == set(diff_ids[:2])
     assert reusable_layers(manifest, config, ZSTD) == {diff_ids[2]: Descriptor(media.OCI_LAYER_ZSTD, _digest("b2"), 30)}
+    # A media type cannot tell an eStargz blob from a plain gzip one (and the diff_ids differ anyway).
+    assert reusable_layers(manifest, config, ESTARGZ) == {}
 
 
 # --- the zstd twin of a gzip parent ------------------------------------------------------------

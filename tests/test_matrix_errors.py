@@ -243,7 +243,7 @@ CASES = [
          27, "extra_layers[1].name", "extra layer 'tools' is defined twice"),
     # --- layer compression -----------------------------------------------------------------
     Case("unknown-compression", append("compression: brotli"),
-         25, "compression", "'brotli' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>)",
+         25, "compression", "'brotli' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>, estargz)",
          render=True),
     Case("zstd-level-out-of-range", append("  include:", '    - {python: "3.11", compression: "zstd:20"}'),
          26, "matrix.include[0].compression", "'zstd:20': the zstd level must be a whole number from 1 to 19"),

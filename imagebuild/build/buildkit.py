@@ -154,7 +154,11 @@ class BuildKitLayerBuilder:
         # The daemon pushes: the cache registries here are plain HTTP on loopback (a remote daemon
         # reaches its own registry mirror the same way, configured in its buildkitd.toml).
         output = f"type=image,name={rec.image},push=true,registry.insecure=true"
-        if not layer.compression.is_gzip:
+        if layer.compression.is_estargz:
+            # BuildKit's own eStargz converter (every layer, TOC digests annotated). It knows no start-up to
+            # record, so its layers carry the no-prefetch landmark: everything is fetched on first read.
+            output += ",compression=estargz,force-compression=true,oci-mediatypes=true"
+        elif not layer.compression.is_gzip:
             # The daemon pushes a zstd release itself: every layer, the parent's too, as OCI zstd blobs.
             output += (f",compression=zstd,compression-level={layer.compression.level},force-compression=true,"
                        "oci-mediatypes=true")

@@ -29,6 +29,14 @@ repository, tagged by the parent's digest (`twin_tag`); later pushes over that p
 check every descriptor against the parent and read every blob back (its bytes must hash to its
 digest and, decompressed, to the parent's diff_id: a tag can be moved by anyone who can push),
 and compress only their own layers.
+
+eStargz (opt-in, a variant's release image only; see oci/estargz.py): every layer, the parent's too,
+is written again as an eStargz blob (its tar spooled to disk, checked against its diff_id, reordered
+so that the files the image's start-up reads come first, build/startup.py), under an OCI manifest
+whose layer descriptors carry each TOC's digest. The layers' tars change (the TOC is an entry of
+their own), so the config is rewritten with the new diff_ids and the pushed image has a new id. No
+parent lends blobs: a gzip parent's are not eStargz, and the same layer always gives the same blob,
+so a blob the registry has already is not uploaded again (its conversion is the cost of a push).
 """
 from __future__ import annotations
 
@@ -41,15 +49,16 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from imagebuild.build import startup
 from imagebuild.build.layerstore import EngineStorage, StorageUnreadable
 from imagebuild.core.errors import ImagebuildError
-from imagebuild.oci import names
+from imagebuild.oci import estargz, names
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 from imagebuild.oci.compression import DEFAULT as GZIP
 from imagebuild.oci.compression import (  # noqa: F401 (DOCKER_*, OCI_*: publish's own names for them)
@@ -82,9 +91,13 @@ class Descriptor:
     media_type: str
     digest: str
     size: int
+    annotations: tuple[tuple[str, str], ...] = ()  # eStargz: the TOC's digest, the tar's size
 
     def to_json(self) -> dict[str, Any]:
-        return {"mediaType": self.media_type, "size": self.size, "digest": self.digest}
+        described: dict[str, Any] = {"mediaType": self.media_type, "size": self.size, "digest": self.digest}
+        if self.annotations:
+            described["annotations"] = dict(self.annotations)
+        return described
 
 
 @dataclass
@@ -98,6 +111,8 @@ class PushResult:
     notes: list[str] = field(default_factory=list)  # why the engine's storage was not used, if so
     compression: str = "gzip"  # oci/compression.py's spec of the layers pushed
     twin: str | None = None  # zstd: the parent's twin reused or put ("<tag> reused" / "<tag> put")
+    image_id: str = ""  # the config pushed: the engine's image id, but for eStargz (new diff_ids)
+    prefetch: dict[str, Any] | None = None  # eStargz: what start-up read, and what each layer prefetches
 
 
 # --- pure parts -------------------------------------------------------------------------
@@ -212,6 +227,17 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def estargz_config(config_raw: bytes, diff_ids: list[str]) -> bytes:
+    """The image config with its layers' new diff_ids (eStargz tars have a TOC entry of their own);
+    everything else as the engine wrote it."""
+    config = json.loads(config_raw)
+    if len(config.get("rootfs", {}).get("diff_ids") or []) != len(diff_ids):
+        raise PublishError(f"the config lists {len(config.get('rootfs', {}).get('diff_ids') or [])} layers, "
+                           f"the eStargz push {len(diff_ids)}")
+    config["rootfs"]["diff_ids"] = diff_ids
+    return json.dumps(config, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # --- streaming the image out of the engine --------------------------------------------
 
 
@@ -238,17 +264,20 @@ class _ChunkReader(io.RawIOBase):
 
 
 class _HashingFile(io.RawIOBase):
-    """Writes through to a file, hashing and counting what passes."""
+    """Writes through to a file, hashing and counting what passes; setting `cancelled` stops the next write."""
 
-    def __init__(self, handle: IO[bytes]):
+    def __init__(self, handle: IO[bytes], cancelled: threading.Event | None = None):
         self.handle = handle
         self.hash = hashlib.sha256()
         self.size = 0
+        self.cancelled = cancelled
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise PublishError("interrupted")
         self.hash.update(data)
         self.size += len(data)
         self.handle.write(data)
@@ -257,9 +286,10 @@ class _HashingFile(io.RawIOBase):
 
 @dataclass
 class _Compressed:
-    diff_id: str
+    diff_id: str  # of the tar read (checked against the engine's)
     blob: Descriptor
     path: Path
+    estargz: estargz.Written | None = None  # eStargz: what the blob's own tar is (its diff_id, its TOC)
 
 
 def _even_chunks(chunks: Iterable[bytes], size: int = CHUNK) -> Iterator[bytes]:
@@ -289,6 +319,7 @@ class _Encoder:
     compression: Compression
     threads: int
     gzip_level: int = COMPRESSION_LEVEL
+    prioritized: tuple[str, ...] = ()  # eStargz: the paths each layer puts before its prefetch landmark
 
     def writer(self, sink: io.RawIOBase) -> Any:
         """A file whose writes land compressed in `sink`; closing it flushes, and leaves `sink` open."""
@@ -309,6 +340,8 @@ def _compress(chunks: Iterable[bytes], target: Path, encoder: _Encoder,
               cancelled: threading.Event) -> tuple[_Compressed, float]:
     """Compress the stream `chunks` into `target` as `encoder` says, hashing it in the same pass:
     (result, seconds spent compressing)."""
+    if encoder.compression.is_estargz:
+        return _write_estargz(chunks, target, encoder, cancelled)
     diff = hashlib.sha256()
     busy = 0.0
     with target.open("wb") as handle:
@@ -328,6 +361,39 @@ def _compress(chunks: Iterable[bytes], target: Path, encoder: _Encoder,
             busy += time.monotonic() - started
     blob = Descriptor(encoder.compression.layer_media_type, "sha256:" + sink.hash.hexdigest(), sink.size)
     return _Compressed("sha256:" + diff.hexdigest(), blob, target), busy
+
+
+def _write_estargz(chunks: Iterable[bytes], target: Path, encoder: _Encoder,
+                   cancelled: threading.Event) -> tuple[_Compressed, float]:
+    """The layer's tar spooled beside `target` (hashed as it comes: the caller checks it against the
+    diff_id), then written to `target` as eStargz with the members compressed on every core."""
+    spool = target.with_name(target.name + ".tar")
+    diff = hashlib.sha256()
+    try:
+        with spool.open("w+b") as tar:
+            for chunk in chunks:
+                if cancelled.is_set():
+                    raise PublishError("interrupted")
+                diff.update(chunk)
+                tar.write(chunk)
+            tar.flush()
+            started = time.monotonic()
+            tar.seek(0)
+            try:
+                ordered = estargz.prioritize(estargz.read_entries(tar), encoder.prioritized)
+                with target.open("wb") as handle, ThreadPoolExecutor(encoder.threads,
+                                                                     thread_name_prefix="estargz") as pool:
+                    sink = _HashingFile(handle, cancelled)
+                    written = estargz.write(tar, ordered, sink, executor=pool, ahead=4 * encoder.threads)
+            except estargz.EstargzError as exc:
+                raise PublishError(f"the layer cannot be written as eStargz: {exc}") from None
+            busy = time.monotonic() - started
+    finally:
+        spool.unlink(missing_ok=True)
+    annotations = ((estargz.TOC_DIGEST_ANNOTATION, written.toc_digest),
+                   (estargz.UNCOMPRESSED_SIZE_ANNOTATION, str(written.uncompressed_size)))
+    blob = Descriptor(encoder.compression.layer_media_type, "sha256:" + sink.hash.hexdigest(), sink.size, annotations)
+    return _Compressed("sha256:" + diff.hexdigest(), blob, target, written), busy
 
 
 # --- the registry side -------------------------------------------------------------------
@@ -531,7 +597,8 @@ SAVE = "docker save"
 def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spool: Path,
             threads: int | None = None, level: int = COMPRESSION_LEVEL, docker_client: Any = None,
             event_hooks: dict[str, Any] | None = None, cancelled: threading.Event | None = None,
-            storage: EngineStorage | bool = True, compression: Compression = GZIP) -> PushResult:
+            storage: EngineStorage | bool = True, compression: Compression = GZIP,
+            prioritized: Sequence[str] | None = None) -> PushResult:
     """Push the local image `image` to `target` (repository and tag) and return its digest.
 
     `parent`, the image it was built FROM (by digest), lends its blobs: only the layers it
@@ -540,12 +607,12 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
     with `docker info`, False to never read it, or the storage to read) and checked against
     the image id and diff_ids; whatever it cannot give comes from `docker save` instead.
     Setting `cancelled` stops the push between chunks; the tag is put last, so it is untouched.
-    `compression`: gzip (ISA-L at `level`, schema 2) or zstd (OCI; over a gzip parent, its twin's
-    blobs are lent, or the twin is put; see the module's docstring).
+    `compression`: gzip (ISA-L at `level`, schema 2), zstd (OCI; over a gzip parent, its twin's
+    blobs are lent, or the twin is put; see the module's docstring) or eStargz (every layer; the files
+    `prioritized` names first in each layer, by default those the image's health check reads).
     """
     import docker  # only the engine side needs the SDK
 
-    encoder = _Encoder(compression, threads or len(os.sched_getaffinity(0)), level)
     cancelled = cancelled or threading.Event()
     client = docker_client or docker.from_env(timeout=900)
     api = client.api
@@ -556,10 +623,22 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
         raise PublishError(f"{image}: the engine lists no layers")
     steps: dict[str, float] = {}
     notes: list[str] = []
+    prefetch: dict[str, Any] | None = None
+    on_demand = 0
+    if compression.is_estargz and prioritized is None:
+        started = time.monotonic()
+        recorded = startup.record(client, image_id, info.get("Config") or {}, estargz.CHUNK_SIZE)
+        steps["startup_s"] = round(time.monotonic() - started, 1)
+        prioritized, on_demand = recorded.files, len(recorded.on_demand)
+        notes.append(recorded.note)
+    if compression.is_estargz:
+        prefetch = {"files": len(prioritized or []), "on_demand": on_demand}
+    encoder = _Encoder(compression, threads or len(os.sched_getaffinity(0)), level, tuple(prioritized or ()))
     with Registry(target.registry) as registry:
         if event_hooks:
             registry.client.event_hooks = event_hooks
-        lent = _parent_blobs(registry, parent, target, compression)
+        # eStargz: a parent's blobs are plain gzip, and every layer is written again.
+        lent = _Lent() if compression.is_estargz else _parent_blobs(registry, parent, target, compression)
         reused = lent.blobs
         notes.extend(lent.notes)
         needed = [d for d in dict.fromkeys(diff_ids) if d not in reused]
@@ -585,7 +664,15 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
                     config_raw = _from_save(api, image, image_id, diff_ids, needed, compressed, uploads,
                                             Path(tmp), encoder, cancelled, steps)
                 steps["export_s"] = round(time.monotonic() - started, 1)
-                config = Descriptor(DOCKER_CONFIG, image_id, len(config_raw))
+                if compression.is_estargz:
+                    written = [_written(compressed[d]) for d in diff_ids]
+                    config_raw = estargz_config(config_raw, [w.diff_id for w in written])
+                    config = Descriptor(OCI_CONFIG, sha256_digest(config_raw), len(config_raw))
+                    assert prefetch is not None
+                    prefetch["layers"] = [{"prioritized": w.prioritized, "prefetch_bytes": w.prefetch_bytes,
+                                           "entries": w.entries} for w in written]
+                else:
+                    config = Descriptor(DOCKER_CONFIG, image_id, len(config_raw))
                 uploads.submit(config.digest, config.size, data=config_raw)
                 uploads.wait()
         finally:
@@ -605,7 +692,13 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
         raise PublishError(f"{target}: the registry stored the manifest as {digest}, expected {expected}")
     return PushResult(digest=digest, steps=steps, uploaded=uploads.uploaded,
                       uploaded_bytes=uploads.uploaded_bytes, present=uploads.present, source=source, notes=notes,
-                      compression=compression.spec, twin=twin)
+                      compression=compression.spec, twin=twin, image_id=config.digest, prefetch=prefetch)
+
+
+def _written(done: _Compressed) -> estargz.Written:
+    if done.estargz is None:
+        raise PublishError(f"layer {done.diff_id} was not written as eStargz")
+    return done.estargz
 
 
 def _from_storage(storage: EngineStorage, image: str, image_id: str, diff_ids: list[str], needed: list[str],
@@ -750,11 +843,15 @@ class Pusher:
             result = publish(image, ImageRef.parse(image), parent, spool=self.spool, cancelled=self.cancelled,
                              compression=compression)
         except UnsupportedSave as exc:
-            if not compression.is_gzip:  # `docker push` (20.10) writes gzip only: no fallback for zstd
+            if not compression.is_gzip:  # `docker push` (20.10) writes plain gzip only: no fallback
                 raise PublishError(f"{image}: a {compression.spec} push cannot read this engine's save "
                                    f"format ({exc})") from None
             return self._docker_push(image, f"imagebuild: push: {exc}; falling back to `docker push`\n")
         notes = "".join(f"imagebuild: {note}\n" for note in result.notes)
+        if result.prefetch is not None:
+            notes += "".join(f"imagebuild: eStargz layer {i}: {layer['prioritized']} of {layer['entries']} entries "
+                             f"before the prefetch landmark ({layer['prefetch_bytes']} bytes prefetched)\n"
+                             for i, layer in enumerate(result.prefetch.get("layers") or []))
         twin = f", zstd twin of the parent {result.twin}" if result.twin else ""
         return Pushed(result.digest, f"imagebuild ({result.source})",
                       f"{notes}imagebuild: pushed {image}@{result.digest} ({result.compression}{twin}) from "

@@ -589,7 +589,8 @@ class VariantRecord(_StatusField):
     # `platforms` order; empty for a single-platform variant (its digest is that platform's image).
     children: list[ChildImage] = field(default_factory=list)
     # How the release image's layers were pushed (oci/compression.py's spec): "gzip" (Docker schema 2,
-    # what every engine reads; also in reports written before it was recorded) or "zstd:<level>" (OCI).
+    # what every engine reads; also in reports written before it was recorded), "zstd:<level>" (OCI) or
+    # "estargz" (OCI, lazily pullable gzip layers).
     compression: str = "gzip"
 
     @property

@@ -3,6 +3,9 @@
 gzip is the default: Docker 20.10 engines read nothing else. zstd (OCI's `tar+zstd` layers under an
 OCI image manifest) is opt-in per variant: containerd >= 1.5 and Docker >= 23 read it, and it
 decompresses several times faster than gzip, which is most of a fresh node's time to ready.
+eStargz (oci/estargz.py) is opt-in too: gzip layers (`tar+gzip` under an OCI manifest) that every
+engine pulls as ever, and that a node with the stargz snapshotter mounts lazily, file by file, from
+the registry; each layer descriptor carries its TOC's digest, so the signed manifest covers every chunk.
 """
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from dataclasses import dataclass
 
 GZIP = "gzip"
 ZSTD = "zstd"
-ALGORITHMS = (GZIP, ZSTD)
+ESTARGZ = "estargz"
+ALGORITHMS = (GZIP, ZSTD, ESTARGZ)
 ZSTD_LEVELS = range(1, 20)  # zstd's ordinary levels; 20-22 ("ultra") need windows a puller may refuse
 ZSTD_DEFAULT_LEVEL = 3  # zstd's own default: ~3x gzip level 1's speed for a smaller blob
 
@@ -27,23 +31,29 @@ LAYER_MEDIA_TYPES = frozenset({DOCKER_LAYER, OCI_LAYER_GZIP, OCI_LAYER_ZSTD})
 
 @dataclass(frozen=True)
 class Compression:
-    """How an image's layers are compressed: gzip (Docker schema 2, as ever) or zstd at `level` (OCI)."""
+    """How an image's layers are compressed: gzip (Docker schema 2, as ever), zstd at `level` (OCI) or
+    eStargz (OCI, gzip members)."""
 
     algorithm: str = GZIP
-    level: int | None = None  # zstd's level; gzip's is publish.COMPRESSION_LEVEL, never configured
+    level: int | None = None  # zstd's level; gzip's (eStargz's too) is publish.COMPRESSION_LEVEL, never configured
 
     @property
     def spec(self) -> str:
-        """As the matrix writes it, and as the plan and the report show it: `gzip` or `zstd:<level>`."""
-        return GZIP if self.algorithm == GZIP else f"{ZSTD}:{self.level}"
+        """As the matrix writes it, and as the plan and the report show it: `gzip`, `zstd:<level>` or `estargz`."""
+        return f"{ZSTD}:{self.level}" if self.algorithm == ZSTD else self.algorithm
 
     @property
     def is_gzip(self) -> bool:
+        """The default: Docker schema 2 gzip layers, what every engine reads (not eStargz's gzip)."""
         return self.algorithm == GZIP
 
     @property
+    def is_estargz(self) -> bool:
+        return self.algorithm == ESTARGZ
+
+    @property
     def layer_media_type(self) -> str:
-        return DOCKER_LAYER if self.is_gzip else OCI_LAYER_ZSTD
+        return DOCKER_LAYER if self.is_gzip else OCI_LAYER_GZIP if self.is_estargz else OCI_LAYER_ZSTD
 
     @property
     def manifest_media_type(self) -> str:
@@ -54,7 +64,10 @@ class Compression:
         return DOCKER_CONFIG if self.is_gzip else OCI_CONFIG
 
     def reusable(self, media_type: object) -> bool:
-        """Whether a registry blob of `media_type` holds a layer compressed as this one wants."""
+        """Whether a registry blob of `media_type` holds a layer compressed as this one wants (eStargz: none,
+        since a media type cannot tell an eStargz blob from a plain gzip one)."""
+        if self.is_estargz:
+            return False
         return media_type in ((DOCKER_LAYER, OCI_LAYER_GZIP) if self.is_gzip else (OCI_LAYER_ZSTD,))
 
 
@@ -62,10 +75,12 @@ DEFAULT = Compression()
 
 
 def parse_compression(text: str) -> Compression:
-    """`gzip`, `zstd` or `zstd:<level>` (1-19); ValueError with a one-line message otherwise."""
+    """`gzip`, `zstd`, `zstd:<level>` (1-19) or `estargz`; ValueError with a one-line message otherwise."""
     algorithm, sep, level_text = text.strip().partition(":")
     if algorithm == GZIP and not sep:
         return DEFAULT
+    if algorithm == ESTARGZ and not sep:
+        return Compression(ESTARGZ)
     if algorithm == ZSTD:
         if not sep:
             return Compression(ZSTD, ZSTD_DEFAULT_LEVEL)
@@ -73,6 +88,6 @@ def parse_compression(text: str) -> Compression:
             return Compression(ZSTD, int(level_text))
         raise ValueError(f"'{text}': the zstd level must be a whole number from {ZSTD_LEVELS.start} "
                          f"to {ZSTD_LEVELS.stop - 1}")
-    if algorithm == GZIP:
-        raise ValueError(f"'{text}': gzip takes no level (imagebuild's is fixed: ISA-L level 1)")
-    raise ValueError(f"'{text}' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>)")
+    if algorithm in (GZIP, ESTARGZ):
+        raise ValueError(f"'{text}': {algorithm} takes no level (imagebuild's is fixed: ISA-L level 1)")
+    raise ValueError(f"'{text}' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>, estargz)")

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tarfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import docker
@@ -26,6 +27,7 @@ from imagebuild.build.publish import (
     DOCKER_LAYER,
     DOCKER_MANIFEST,
     OCI_CONFIG,
+    OCI_LAYER_GZIP,
     OCI_LAYER_ZSTD,
     OCI_MANIFEST,
     SAVE,
@@ -499,3 +501,192 @@ def test_a_zstd_image_and_its_blobs_are_copied_into_a_region_registry_as_they_ar
         for layer in json.loads(raw)["layers"]:
             assert layer["mediaType"] == OCI_LAYER_ZSTD
             assert target.blob_size(repository, layer["digest"]) == layer["size"]
+
+
+# --- eStargz (a release image's opt-in lazy-pull format) -----------------------------------------------------
+
+
+ESTARGZ = Compression("estargz")
+ESTARGZ_VERIFY = "/opt/imagebuild-tools/bin/estargz-verify"
+LONG = "d" * 150
+
+
+@dataclass
+class EstargzImage:
+    local: str  # the engine's image (tag)
+    repository: str
+    digest: str
+    nonce: str
+    pushed: object  # the PushResult
+
+
+@pytest.fixture(scope="module")
+def estargz_image(engine, staging_registry, tmp_path_factory):
+    """An image FROM the base whose own layer holds a chunked file, a symbolic and a hard link to it and a long
+    name, pushed once as eStargz with two of its files prioritized (the module's tests read it, none change it)."""
+    tmp = tmp_path_factory.mktemp("estargz")
+    repository = f"imagebuild-e2e/{unique('estargz')}"
+    nonce = uuid.uuid4().hex
+    local = _build(tmp, "estargz", f"FROM {BASE}\n"
+                   "RUN mkdir -p /opt/app/lib && head -c 9000000 /dev/urandom > /opt/app/lib/big.so "
+                   "&& ln -s big.so /opt/app/lib/link.so && ln /opt/app/lib/big.so /opt/app/lib/hard.so "
+                   f"&& mkdir -p /opt/app/{LONG} && echo long > /opt/app/{LONG}/{'f' * 120} "
+                   f"&& echo {nonce} > /opt/app/id\n",
+                   f"{STAGING}/{repository}:local")
+    pushed = publish(local, ImageRef.parse(f"{STAGING}/{repository}:estargz"), None, spool=tmp,
+                     compression=ESTARGZ, prioritized=["/opt/app/id", "/opt/app/lib/hard.so"])
+    yield EstargzImage(local, repository, pushed.digest, nonce, pushed)
+    for image in engine.images.list(name=f"{STAGING}/{repository}"):
+        engine.images.remove(image.id, force=True)
+
+
+def _verify_estargz(blob: Path, toc_digest: str) -> subprocess.CompletedProcess:
+    if not Path(ESTARGZ_VERIFY).is_file():
+        pytest.fail(f"{ESTARGZ_VERIFY} is missing: scripts/build-test-tools.sh builds it")
+    return subprocess.run([ESTARGZ_VERIFY, "--toc-digest", toc_digest, str(blob)], capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_an_estargz_push_is_an_oci_image_of_estargz_layers_each_verified_by_the_go_reader(
+        engine, tmp_path, estargz_image):
+    """Every layer (the base's too) is an eStargz blob: its digest and size as described, its TOC's digest the
+    descriptor's annotation, accepted by the Go estargz package (TOC, every chunk against its digest, the tar
+    against the TOC), and its tar hashes to the rewritten config's diff_id; the config is otherwise the engine's."""
+    from imagebuild.oci import estargz
+    from tests.test_estargz import gunzip
+
+    raw, media_type = _manifest(estargz_image.repository, estargz_image.digest)
+    manifest = json.loads(raw)
+    assert media_type == manifest["mediaType"] == OCI_MANIFEST
+    assert manifest["config"]["mediaType"] == OCI_CONFIG
+    config_raw = _blob(estargz_image.repository, manifest["config"]["digest"])
+    assert (sha256_digest(config_raw), len(config_raw)) == (manifest["config"]["digest"], manifest["config"]["size"])
+    config, local = json.loads(config_raw), engine.images.get(estargz_image.local)
+    assert estargz_image.pushed.image_id == manifest["config"]["digest"] != local.id  # new diff_ids, new id
+    engine_config = json.loads(EngineStorage.from_info(engine.api.info()).image_config(local.id))
+    assert {**config, "rootfs": None} == {**engine_config, "rootfs": None}
+    diff_ids = config["rootfs"]["diff_ids"]
+    assert len(diff_ids) == len(manifest["layers"]) == 2 and diff_ids != local.attrs["RootFS"]["Layers"]
+    landmarks = []
+    for layer, diff_id in zip(manifest["layers"], diff_ids):
+        assert layer["mediaType"] == OCI_LAYER_GZIP
+        blob = _blob(estargz_image.repository, layer["digest"])
+        assert (sha256_digest(blob), len(blob)) == (layer["digest"], layer["size"])
+        path = tmp_path / layer["digest"].split(":")[1]
+        path.write_bytes(blob)
+        toc_digest = layer["annotations"][estargz.TOC_DIGEST_ANNOTATION]
+        verified = _verify_estargz(path, toc_digest)
+        assert verified.returncode == 0, verified.stderr
+        verdict = json.loads(verified.stdout)
+        assert verdict["toc_digest"] == toc_digest and verdict["diff_id"] == diff_id
+        assert verdict["uncompressed_size"] == int(layer["annotations"][estargz.UNCOMPRESSED_SIZE_ANNOTATION])
+        landmarks.append(verdict["landmark"])
+        tar = gunzip(blob)
+        assert sha256_digest(tar) == diff_id
+    # Only the test's own layer holds the prioritized files; the base's starts with the no-prefetch landmark.
+    assert landmarks == [".no.prefetch.landmark", ".prefetch.landmark"]
+    assert estargz_image.pushed.prefetch["layers"][1]["prioritized"] == 6  # opt, app, id, lib, big.so, hard.so
+    # The verifier is no rubber stamp: another TOC digest is refused.
+    wrong = _verify_estargz(path, sha256_digest(b"another toc"))
+    assert wrong.returncode == 1 and "invalid TOC JSON" in wrong.stderr
+
+
+def test_the_go_reader_takes_every_odd_entry_the_writer_writes(tmp_path):
+    """The unit tests' layer (devices, a fifo, xattrs, GNU and PAX long names, hard and symbolic links, a file
+    of exactly one chunk) through the Go estargz package."""
+    from tests.test_estargz import convert, layer_tar
+
+    for fmt, prioritized in ((tarfile.PAX_FORMAT, ["usr/bin/hard", "etc/hosts"]), (tarfile.GNU_FORMAT, [])):
+        blob, written = convert(layer_tar(fmt), prioritized, threads=2)
+        path = tmp_path / f"layer-{fmt}"
+        path.write_bytes(blob)
+        verified = _verify_estargz(path, written.toc_digest)
+        assert verified.returncode == 0, verified.stderr
+        verdict = json.loads(verified.stdout)
+        assert (verdict["diff_id"], verdict["uncompressed_size"]) == (written.diff_id, written.uncompressed_size)
+        assert verdict["chunks"] == 3 + 1 + 4 + 1  # big's three, exact's one, four small files, the landmark
+        assert verdict["landmark"] == (".prefetch.landmark" if prioritized else ".no.prefetch.landmark")
+
+
+def test_an_estargz_rerun_gives_the_same_digest_and_uploads_nothing(tmp_path, estargz_image):
+    uploads: list[str] = []
+    again = publish(estargz_image.local, ImageRef.parse(f"{STAGING}/{estargz_image.repository}:estargz"), None,
+                    spool=tmp_path, event_hooks=_uploads(uploads), compression=ESTARGZ,
+                    prioritized=["/opt/app/id", "/opt/app/lib/hard.so"])
+    assert again.digest == estargz_image.digest and uploads == [] and again.present == 3
+
+
+def test_docker_20_10_pulls_an_estargz_image_in_full_and_runs_it(engine, estargz_image):
+    """An eStargz layer is a gzip tar: an engine that knows nothing of it pulls every layer (a new config,
+    so nothing is found locally) and runs the image."""
+    ref = f"{STAGING}/{estargz_image.repository}@{estargz_image.digest}"
+    pulled = subprocess.run([docker_cli(), "pull", ref], capture_output=True, text=True, timeout=600, check=False)
+    assert pulled.returncode == 0, pulled.stderr
+    image = engine.images.get(ref)
+    try:
+        assert image.id == estargz_image.pushed.image_id
+        out = engine.containers.run(ref, ["sh", "-c", "cat /opt/app/id && cmp /opt/app/lib/big.so /opt/app/lib/hard.so"
+                                          " && cmp /opt/app/lib/big.so /opt/app/lib/link.so && echo same"],
+                                    remove=True).decode()
+        assert out.split() == [estargz_image.nonce, "same"]
+    finally:
+        engine.images.remove(image.id, force=True)
+
+
+def test_a_plain_containerd_node_pulls_and_unpacks_an_estargz_image_in_full(tmp_path, estargz_image):
+    from .nodes import ContainerdNode
+
+    with ContainerdNode(tmp_path, "estargz-full") as node:
+        ref = f"{STAGING}/{estargz_image.repository}@{estargz_image.digest}"
+        pulled = node.ctr("images", "pull", "--plain-http", ref, timeout=300)
+        assert pulled.returncode == 0, pulled.stderr
+        ran = node.ctr("run", "--rm", ref, "full", "cat", "/opt/app/id", timeout=120)
+        assert ran.returncode == 0 and ran.stdout.strip() == estargz_image.nonce, ran.stderr
+        layers = [layer["digest"] for layer in json.loads(_manifest(estargz_image.repository,
+                                                                    estargz_image.digest)[0])["layers"]]
+        assert set(layers) <= set(node.ctr("content", "ls", "-q").stdout.split())  # every layer fetched
+
+
+def test_a_stargz_node_mounts_each_layer_lazily_over_fuse_and_runs_a_process_on_them(tmp_path, estargz_image):
+    """The stargz snapshotter (containerd's proxy snapshotter plugin) mounts every layer from the registry over
+    FUSE, checked against the manifest's TOC digests; containerd fetches no layer blob; runc runs a process on
+    the lazily mounted root file system, reading a chunked file through its links."""
+    from .nodes import STARGZ, ContainerdNode
+
+    with ContainerdNode(tmp_path, "estargz-lazy", lazy=True) as node:
+        ref = f"{STAGING}/{estargz_image.repository}@{estargz_image.digest}"
+        pulled = node.rpull(ref, timeout=300)
+        assert pulled.returncode == 0 and pulled.stdout.strip() == estargz_image.digest, pulled.stderr
+        assert len(node.fuse_mounts()) == 2, node.fuse_mounts()  # one per layer: nothing was unpacked
+        layers = [layer["digest"] for layer in json.loads(_manifest(estargz_image.repository,
+                                                                    estargz_image.digest)[0])["layers"]]
+        assert not set(layers) & set(node.ctr("content", "ls", "-q").stdout.split())
+        ran = node.ctr("run", "--rm", "--snapshotter", STARGZ, ref, "lazy", "sh", "-c",
+                       "cat /opt/app/id && sha256sum /opt/app/lib/big.so /opt/app/lib/hard.so /opt/app/lib/link.so "
+                       f"&& cat /opt/app/{LONG}/{'f' * 120}", timeout=120)
+        assert ran.returncode == 0, ran.stderr + node.stargz_log.read_text()[-2000:]
+        lines = ran.stdout.split("\n")
+        assert lines[0] == estargz_image.nonce
+        assert len({line.split()[0] for line in lines[1:4]}) == 1  # the file, its hard link and its symbolic link
+        assert lines[4] == "long"
+
+
+def test_a_layer_whose_toc_digest_is_not_the_manifests_is_not_mounted_lazily(tmp_path, estargz_image):
+    """The snapshotter checks each TOC against the digest in the manifest (which cosign signs): a manifest naming
+    another TOC digest gets no lazy mount for that layer; containerd fetches it whole, checked by its digest."""
+    from imagebuild.oci import estargz
+
+    from .nodes import ContainerdNode
+
+    manifest = json.loads(_manifest(estargz_image.repository, estargz_image.digest)[0])
+    manifest["layers"][1]["annotations"][estargz.TOC_DIGEST_ANNOTATION] = sha256_digest(b"not this layer's toc")
+    raw = json.dumps(manifest).encode()
+    put = httpx.put(f"http://{STAGING}/v2/{estargz_image.repository}/manifests/wrong-toc", content=raw,
+                    headers={"Content-Type": OCI_MANIFEST})
+    assert put.status_code == 201, put.text
+    with ContainerdNode(tmp_path, "estargz-wrong", lazy=True) as node:
+        pulled = node.rpull(f"{STAGING}/{estargz_image.repository}@{sha256_digest(raw)}", timeout=300)
+        assert pulled.returncode == 0, pulled.stderr
+        assert len(node.fuse_mounts()) == 1  # the base's layer only
+        assert manifest["layers"][1]["digest"] in node.ctr("content", "ls", "-q").stdout.split()
+        assert "invalid stargz layer" in node.stargz_log.read_text()

@@ -184,18 +184,23 @@ def test_an_interrupted_release_exits_130_and_a_rerun_finishes_the_job(released,
     assert again.json()["status"] == "released"
 
 
-def test_a_zstd_variant_goes_through_every_stage_and_is_pushed_signed_with_zstd_layers(
-        built_example, trivy, trivy_db, cosign, cosign_keys, tmp_path):
-    """The whole chain on a zstd release (`compression: zstd`): only its release layer is new (the layers below
-    are the example's gzip ones, built FROM as before); smoke runs it on this Docker 20.10 engine, which holds
-    its config; Trivy scans and cosign signs the zstd digest; what is pushed verifies and has zstd layers."""
+def release_cpu_variant(tmp_path: Path, trivy_db: Path, cosign_keys: dict, compression: str,
+                        edit=lambda data: None) -> tuple[dict, dict]:
+    """`imagebuild release` of the example's 3.3.1 CPU variant with `compression: <compression>` (only its release
+    layer is new: the layers below are the example's gzip ones, built FROM as before), pushed to a repository of
+    its own that the example's trust covers: (the variant's record, the manifest of its digest). Every stage must
+    have judged the pushed digest, and what is pushed must verify."""
     from imagebuild.oci.client import Registry
 
     from .conftest import copy_matrix
 
-    matrix = copy_matrix(tmp_path, lambda data: data.update(compression="zstd"))
+    def edited(data: dict) -> None:
+        data.update(compression=compression)
+        edit(data)
+
+    matrix = copy_matrix(tmp_path, edited)
     workdir = tmp_path / "work"
-    push_to = f"{STAGING}/imagebuild-example/{unique('release-zstd')}"  # a repository the example's trust covers
+    push_to = f"{STAGING}/imagebuild-example/{unique('release-' + compression)}"
     run = imagebuild("release", "--matrix", str(matrix), "--workdir", str(workdir), "--offline",
                      "--only", "id=paddle3.3.1-cpu-py3.11-debian12",
                      "--cache-dir", str(trivy_cache_with_db(trivy_db, tmp_path / "trivy")), "--revision", REVISION,
@@ -204,22 +209,75 @@ def test_a_zstd_variant_goes_through_every_stage_and_is_pushed_signed_with_zstd_
                      env={"COSIGN_PASSWORD": cosign_keys["password"], "SOURCE_DATE_EPOCH": COMMIT_TIME}, timeout=3600)
     assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     variant = stage_records(workdir)["paddle3.3.1-cpu-py3.11-debian12"]
-    assert variant["compression"] == "zstd:3"
     for stage in ("smoke", "scan", "gate", "sign", "push"):
         assert variant["stages"][stage]["digest"] == variant["digest"], (stage, variant["stages"][stage])
     for stage in ("smoke", "gate", "sign"):
         assert variant["stages"][stage]["status"] == "passed", (stage, variant["stages"][stage])
     built = {layer["path"]: layer["status"] for layer in json.loads((workdir / "build-report.json").read_text())["layers"]}
-    # Below the release layer, the example's gzip layers are reused as they are: zstd rebuilds nothing.
+    # Below the release layer, the example's gzip layers are reused as they are: only the release push differs.
     assert {path for path, status in built.items() if status == "built"} <= {"release/paddle3.3.1-cpu-py3.11-debian12"}
     assert len(built) > 1 and "release/paddle3.3.1-cpu-py3.11-debian12" in built
 
     host, _, repository = variant["image"].partition("/")
     with Registry(host) as registry:
         raw, media_type, _ = registry.get_manifest(repository.split("@")[0], variant["digest"])
-    manifest = json.loads(raw)
     assert media_type == "application/vnd.oci.image.manifest.v1+json"
-    assert {layer["mediaType"] for layer in manifest["layers"]} == {"application/vnd.oci.image.layer.v1.tar+zstd"}
     pushed = variant["stages"]["push"]["target"]
     verified = imagebuild("verify", "--trust", str(EXAMPLE.parent / "trust.yaml"), f"{pushed}@{variant['digest']}")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    return variant, json.loads(raw)
+
+
+def test_a_zstd_variant_goes_through_every_stage_and_is_pushed_signed_with_zstd_layers(
+        built_example, trivy, trivy_db, cosign, cosign_keys, tmp_path):
+    """The whole chain on a zstd release (`compression: zstd`): smoke runs it on this Docker 20.10 engine, which
+    holds its config; Trivy scans and cosign signs the zstd digest; what is pushed verifies and has zstd layers."""
+    variant, manifest = release_cpu_variant(tmp_path, trivy_db, cosign_keys, "zstd")
+    assert variant["compression"] == "zstd:3"
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {"application/vnd.oci.image.layer.v1.tar+zstd"}
+
+
+def test_an_estargz_variant_goes_through_every_stage_with_its_start_up_first_in_each_layer(
+        built_example, engine, trivy, trivy_db, cosign, cosign_keys, tmp_path):
+    """The whole chain on an eStargz release (`compression: estargz`): every layer is written again as eStargz
+    with what the image's health check (`import paddle`) read before each prefetch landmark; smoke runs the
+    eStargz digest (this Docker 20.10 engine pulls it in full: a new config), Trivy scans it, cosign signs the
+    manifest that carries each layer's TOC digest, and the pushed image verifies."""
+    import hashlib
+    import uuid
+
+    import httpx
+
+    from imagebuild.oci import estargz
+    from tests.test_estargz import gunzip, toc_of
+
+    # A label of its own: a release layer (and so a push) of its own, whatever earlier runs left in the registry.
+    nonce = uuid.uuid4().hex
+    variant, manifest = release_cpu_variant(
+        tmp_path, trivy_db, cosign_keys, "estargz",
+        lambda data: data.setdefault("labels", {}).update({"io.imagebuild.e2e-nonce": nonce}))
+    # Smoke pulled the eStargz image into this engine (a new config: every layer); it is the test's to remove.
+    engine.images.remove(manifest["config"]["digest"], force=True)
+    assert variant["compression"] == "estargz"
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {"application/vnd.oci.image.layer.v1.tar+gzip"}
+    host, _, repository = variant["image"].split("@")[0].partition("/")
+    config = httpx.get(f"http://{host}/v2/{repository}/blobs/{manifest['config']['digest']}").json()
+    prioritized = {}
+    for layer, diff_id in zip(manifest["layers"], config["rootfs"]["diff_ids"]):
+        blob = httpx.get(f"http://{host}/v2/{repository}/blobs/{layer['digest']}", timeout=300).content
+        assert estargz.TOC_DIGEST_ANNOTATION in layer["annotations"]
+        raw, toc = toc_of(blob)
+        assert "sha256:" + hashlib.sha256(raw).hexdigest() == layer["annotations"][estargz.TOC_DIGEST_ANNOTATION]
+        names = [estargz.clean_name(e["name"]) for e in toc["entries"] if e["type"] != "chunk"]
+        if estargz.PREFETCH_LANDMARK in names:
+            prioritized.update(dict.fromkeys(names[:names.index(estargz.PREFETCH_LANDMARK)]))
+        assert "sha256:" + hashlib.sha256(gunzip(blob)).hexdigest() == diff_id
+    # What `import paddle` read is first in its layers: the interpreter, Paddle's own modules and libraries.
+    assert "opt/venv/lib/python3.11/site-packages/paddle/__pycache__/__init__.cpython-311.pyc" in prioritized
+    assert "usr/bin/python3.11" in prioritized
+    assert any(name.startswith("opt/venv/lib/python3.11/site-packages/paddle/") and ".so" in name for name in prioritized)
+    assert any(name.startswith("usr/lib/x86_64-linux-gnu/libc.so") for name in prioritized)
+    log = tmp_path / "work" / next(layer["log"] for layer in json.loads((tmp_path / "work" / "build-report.json")
+                                                                         .read_text())["layers"]
+                                   if layer["path"] == "release/paddle3.3.1-cpu-py3.11-debian12")
+    assert "the health check) read" in log.read_text() and "before the prefetch landmark" in log.read_text()
