@@ -210,3 +210,23 @@ def test_zstd_gives_the_same_blob_on_any_number_of_cores_however_the_stream_is_c
     blobs = {_zstd(data, threads, piece) for threads in (1, 2, 4) for piece in (4096, 1 << 20, 5_000_000)}
     assert len(blobs) == 1
     assert zstandard.ZstdDecompressor().decompressobj().decompress(blobs.pop()) == data
+
+
+def test_layer_families_name_what_a_puller_must_decompress():
+    from imagebuild.oci.compression import (
+        DOCKER_LAYER,
+        OCI_LAYER_GZIP,
+        OCI_LAYER_ZSTD,
+        layer_families,
+    )
+
+    def manifest(*types: str) -> dict:
+        return {"layers": [{"mediaType": media_type, "digest": "sha256:" + "0" * 64, "size": 1} for media_type in types]}
+
+    assert layer_families(manifest(DOCKER_LAYER, OCI_LAYER_GZIP)) == {"gzip"}  # eStargz layers are tar+gzip
+    assert layer_families(manifest(OCI_LAYER_GZIP, OCI_LAYER_ZSTD)) == {"gzip", "zstd"}
+    # Anything else is named by what it says, which no region lists: never read as pullable.
+    assert layer_families(manifest("application/vnd.example.layer")) == {"(application/vnd.example.layer)"}
+    assert layer_families({"layers": [42]}) == {"(None)"}
+    assert layer_families({"manifests": []}) == {"(no layer list)"}
+    assert layer_families([]) == {"(no layer list)"}

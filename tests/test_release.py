@@ -96,6 +96,15 @@ def test_a_lease_key_names_the_cluster_and_a_relative_kubeconfig_is_beside_the_r
     assert config.lease_cluster == LeaseCluster(Path("/etc/k"), "ns", "prod-east")
 
 
+def test_a_region_says_which_layer_compressions_its_engines_pull(tmp_path):
+    config = load_release(write(tmp_path, VALID.replace(
+        "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n    compressions: [gzip]", 1)))
+    gzip_only, everything = config.region("ap-south"), config.region("eu-west")
+    assert gzip_only.compressions == frozenset({"gzip"}) and everything.compressions is None
+    assert gzip_only.reads(frozenset({"gzip"})) and not gzip_only.reads(frozenset({"gzip", "zstd"}))
+    assert everything.reads(frozenset({"gzip", "zstd"}))
+
+
 def test_durations_read_in_seconds():
     assert [parse_duration(t) for t in ("30s", "10m", "1h", "500ms", "0s")] == [30, 600, 3600, 0.5, 0]
     assert [parse_duration(t) for t in ("30", "1d", "-1s", "1.5s", "s", "")] == [None] * 6
@@ -178,6 +187,12 @@ BAD = [
      "regions[2].prepull.nodes[0].name: 'Node_1' is not a node name"),
     ("lease: kubeconfig a list", "lease_ttl: 10m\n", "lease_ttl: 10m\nlease: {kubeconfig: [k], namespace: n}\n", 1,
      "lease.kubeconfig: expected a string, got a list"),
+    ("compressions: unknown", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n    compressions: [gzip, lz4]",
+     1, "regions[2].compressions[1]: 'lz4' is not a layer compression an engine pulls (known: gzip, zstd"),
+    ("compressions: empty", "    registry: 127.0.0.1:5003", "    registry: 127.0.0.1:5003\n    compressions: []", 1,
+     "regions[2].compressions: must not be empty"),
+    ("compressions: estargz is gzip", "    registry: 127.0.0.1:5003",
+     "    registry: 127.0.0.1:5003\n    compressions: [estargz]", 1, "eStargz is gzip to every engine"),
 ]
 
 

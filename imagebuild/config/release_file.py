@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.config.tiers import TIERS
-from imagebuild.core.source import Document, InputError, Reader, load_document, suggest
+from imagebuild.core.source import Document, InputError, Reader, load_document, safe_text, suggest
 from imagebuild.oci import names
+from imagebuild.oci.compression import PULL_FAMILIES
 
 SCHEMA = 1
 # OCI distribution-spec tag grammar.
@@ -82,6 +83,12 @@ class Region:
     harbor_project: str | None = None
     credentials: CredentialRef | None = None
     prepull: Prepull | None = None  # None: the tags move without the nodes having pulled first
+    # The layer compressions every engine of the region pulls (compression.PULL_FAMILIES); None: all of them.
+    compressions: frozenset[str] | None = None
+
+    def reads(self, families: frozenset[str]) -> bool:
+        """Whether the region's engines can pull layers of all these compressions."""
+        return self.compressions is None or families <= self.compressions
 
     def image(self, digest: str) -> str:
         return f"{self.registry}/{self.repository}@{digest}"
@@ -322,7 +329,7 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
     for index, item in enumerate(items):
         at: tuple[str | int, ...] = ("regions", index)
         data = r.mapping(item, at, allowed=("name", "registry", "repository", "harbor_project", "credentials",
-                                            "prepull"),
+                                            "prepull", "compressions"),
                          required=("name", "registry", "repository"))
         name = r.pattern(data["name"], at + ("name",), names.NAME,
                          "a region name (lower-case letters, digits, - inside; at most 63)")
@@ -336,8 +343,19 @@ def _regions(r: _ReleaseReader, value: Any) -> tuple[Region, ...]:
                           if project is not None else None)
         credentials = _credentials(r, data["credentials"], at + ("credentials",)) if "credentials" in data else None
         prepull = _prepull(r, data["prepull"], at + ("prepull",)) if "prepull" in data else None
-        regions.append(Region(name, registry, repository, harbor_project, credentials, prepull))
+        compressions = _compressions(r, data["compressions"], at + ("compressions",)) if "compressions" in data else None
+        regions.append(Region(name, registry, repository, harbor_project, credentials, prepull, compressions))
     return tuple(regions)
+
+
+def _compressions(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> frozenset[str]:
+    """`[gzip]` for a region whose engines read gzip only (Docker 20.10), `[gzip, zstd]` for containerd >= 1.5."""
+    listed = r.sequence(value, at, non_empty=True)
+    for index, item in enumerate(listed):
+        if item not in PULL_FAMILIES:
+            raise r.error(at + (index,), f"'{safe_text(item, 40)}' is not a layer compression an engine pulls "
+                                         f"(known: {', '.join(PULL_FAMILIES)}; eStargz is gzip to every engine)")
+    return frozenset(listed)
 
 
 def _prepull(r: _ReleaseReader, value: Any, at: tuple[str | int, ...]) -> Prepull:

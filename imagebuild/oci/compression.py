@@ -91,3 +91,23 @@ def parse_compression(text: str) -> Compression:
     if algorithm in (GZIP, ESTARGZ):
         raise ValueError(f"'{text}': {algorithm} takes no level (imagebuild's is fixed: ISA-L level 1)")
     raise ValueError(f"'{text}' is not a layer compression (known: gzip, zstd, zstd:<level 1-19>, estargz)")
+
+
+# What an engine must decompress to pull a layer of each media type: a region's nodes say which of these
+# they read (release.yaml `compressions:`). eStargz is gzip to every engine, zstd:chunked is zstd.
+PULL_FAMILIES = (GZIP, ZSTD)
+_FAMILY_OF_LAYER = {DOCKER_LAYER: GZIP, OCI_LAYER_GZIP: GZIP, OCI_LAYER_ZSTD: ZSTD}
+
+
+def layer_families(manifest: object) -> frozenset[str]:
+    """The compressions a puller must read for an image manifest's layers (pure). A layer of any other
+    media type (or a manifest without a layer list) is named by what it says, which no region reads."""
+    layers = manifest.get("layers") if isinstance(manifest, dict) else None
+    if not isinstance(layers, list):
+        return frozenset({"(no layer list)"})
+    families = set()
+    for layer in layers:
+        media_type = layer.get("mediaType") if isinstance(layer, dict) else None
+        family = _FAMILY_OF_LAYER.get(media_type) if isinstance(media_type, str) else None
+        families.add(family or f"({str(media_type)[:80]})")
+    return frozenset(families)

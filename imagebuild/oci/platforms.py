@@ -16,6 +16,7 @@ from typing import Any
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci import names
 from imagebuild.oci.client import DOCKER_MANIFEST, INDEX_TYPES, OCI_INDEX, OCI_MANIFEST, Registry, RegistryError
+from imagebuild.oci.compression import layer_families
 
 MAX_CONFIG_BYTES = 4 << 20
 # The platforms one index may list. A release has a handful; a hostile index listing thousands must
@@ -211,3 +212,21 @@ def _json_object(registry: Registry, repository: str, digest: str, raw: bytes) -
 
 def _digest_of(raw: bytes) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def pull_families(registry: Registry, repository: str, digest: str) -> frozenset[str]:
+    """The layer compressions a node must read to pull `repository@digest`: its own layers', or every child's
+    of an index (compression.layer_families). The index is read as index_children reads a release's."""
+    raw, media_type, actual = registry.get_manifest(repository, digest)
+    if media_type in INDEX_TYPES:
+        try:
+            children = index_children(raw)
+        except BadIndex as exc:
+            raise RegistryError(f"{registry.registry}/{repository}@{digest}: {exc}", registry=registry.registry,
+                                repository=repository, operation="index") from None
+        families: set[str] = set()
+        for child in children:
+            child_raw, _, _ = registry.get_manifest(repository, child.digest)
+            families |= layer_families(_json_object(registry, repository, child.digest, child_raw))
+        return frozenset(families)
+    return layer_families(_json_object(registry, repository, actual, raw))

@@ -45,6 +45,7 @@ from imagebuild.core.runner import ToolMissing
 from imagebuild.core.source import safe_text
 from imagebuild.oci.client import ImageRef, Registry, RegistryError, RegistryUnreachable
 from imagebuild.oci.copy import CopyOptions, copy_image, cosign_tag
+from imagebuild.oci.platforms import pull_families
 from imagebuild.rollout import gates, prepull
 from imagebuild.rollout.lease import ChannelLease, open_lease
 from imagebuild.rollout.plan import (
@@ -474,6 +475,11 @@ class Reconciler:
 
     def _verify(self, region: Region) -> dict[str, Any]:
         reason = self._verify_in(region)
+        if region.compressions is not None:  # the copy in the region is what its engines will pull
+            target = self.registry(region)
+            needs = self._in_region(region, lambda: pull_families(target, region.repository, self.digest))
+            if not region.reads(needs):
+                raise _Halt(f"region {region.name}: {unpullable(region, needs)}")
         self.journal.event("verify", region=region.name, to=self.digest, detail=reason)
         return {"verified": reason}
 
@@ -694,6 +700,28 @@ def check_source(trust: TrustConfig, image: str) -> str:
     return str(verdict.reason)
 
 
+def unpullable(region: Region, needs: frozenset[str]) -> str:
+    return (f"its engines pull {', '.join(sorted(region.compressions or ()))} layers (release.yaml compressions), "
+            f"and the image has {', '.join(sorted(needs - (region.compressions or frozenset())))} layers: release a "
+            f"variant compressed for this region (matrix compression) instead")
+
+
+def check_pullable(config: ReleaseConfig, image: str) -> None:
+    """Every region's engines can pull the image's layers (release.yaml `compressions:`): checked in staging
+    before anything moves, so a zstd image never reaches the canary of a rollout that a gzip-only region
+    would halt. The verify step checks each region's copy again."""
+    limited = [region for region in config.regions if region.compressions is not None]
+    if not limited:
+        return
+    ref = ImageRef.parse(image)
+    assert ref.digest is not None
+    with Registry(ref.registry, retry=REGION_RETRIES) as registry:
+        needs = pull_families(registry, ref.repository, ref.digest)
+    for region in limited:
+        if not region.reads(needs):
+            raise RolloutError(f"refusing to roll out {image}: region {region.name}: {unpullable(region, needs)}")
+
+
 def refuse_quarantined(config: ReleaseConfig, digest: str, image: str) -> None:
     """A quarantined digest (`imagebuild rescan` found it failing the gate) goes no further."""
 
@@ -719,6 +747,7 @@ def start(config: ReleaseConfig, image: str, channels: tuple[str, ...], local_di
     lease = lease_for(config, store, record, runtime.timing)  # a bad kubeconfig says so before the verification
     try:
         out(f"source {image}: {check_source(trust, image)}")
+        check_pullable(config, image)
         lease.acquire()
     except BaseException:
         lease.close()

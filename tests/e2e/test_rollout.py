@@ -7,6 +7,7 @@ other's tags; images are small (`crane append` of one file) and signed with boot
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -260,6 +261,53 @@ def test_an_image_that_does_not_verify_in_staging_is_refused_before_anything_mov
     with Registry(STAGING) as registry:
         assert registry.list_tags(f"{setup.name}/rollouts") == set()
     assert all(not setup.has(region, image.split("@")[1]) for region in REGIONS)
+
+
+def push_zstd_image(repository: str, tag: str) -> str:
+    """A signed one-layer OCI image whose layer is tar+zstd (what `compression: zstd` pushes); its digest."""
+    import io
+    import tarfile
+
+    import zstandard
+
+    from imagebuild.oci.compression import OCI_CONFIG, OCI_LAYER_ZSTD, OCI_MANIFEST
+
+    payload, tar = os.urandom(64), io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as archive:
+        member = tarfile.TarInfo("payload")
+        member.size = len(payload)
+        archive.addfile(member, io.BytesIO(payload))
+    diff_id = "sha256:" + hashlib.sha256(tar.getvalue()).hexdigest()
+    layer = zstandard.ZstdCompressor().compress(tar.getvalue())
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                         "rootfs": {"type": "layers", "diff_ids": [diff_id]}}).encode()
+    with Registry(STAGING) as registry:
+        layer_digest, config_digest = registry.put_blob(repository, layer), registry.put_blob(repository, config)
+        manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
+                               "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+                               "layers": [{"mediaType": OCI_LAYER_ZSTD, "digest": layer_digest,
+                                           "size": len(layer)}]}).encode()
+        digest = registry.put_manifest(repository, tag, manifest, OCI_MANIFEST)
+    Cosign(tool("cosign")).sign(f"{STAGING}/{repository}@{digest}", bootstrap_key())
+    return digest
+
+
+def test_a_zstd_image_is_refused_before_anything_moves_where_a_region_pulls_gzip_only(tmp_path):
+    setup = Setup(tmp_path)
+    setup.write(CANARY_THEN_REST, region_keys={"ap-south": "compressions: [gzip]"})
+    digest = push_zstd_image(setup.repository, "candidate")
+    run = setup.start(f"{STAGING}/{setup.repository}@{digest}")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "region ap-south: its engines pull gzip layers (release.yaml compressions), and the image has zstd " \
+           "layers" in run.stderr, run.stderr
+    with Registry(STAGING) as registry:
+        assert registry.list_tags(f"{setup.name}/rollouts") == set(), "no record, no lease"
+    assert all(not setup.has(region, digest) for region in REGIONS), "not even the canary got a copy"
+    # Where every region's engines read zstd, the same image goes out.
+    setup.write(CANARY_THEN_REST, region_keys={"ap-south": "compressions: [gzip, zstd]"})
+    run = setup.start(f"{STAGING}/{setup.repository}@{digest}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert all(setup.tag(region, "stable") == digest for region in REGIONS)
 
 
 # --- halts and rollback ---------------------------------------------------------------------------------
