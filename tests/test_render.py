@@ -7,6 +7,7 @@ per-layer packages, an extra layer), rendered by the tests.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from importlib import resources
@@ -513,6 +514,38 @@ def test_a_layer_that_splits_builds_from_the_root_of_the_dockerfiles(hardened_pl
         given = layer_inputs(layer, rec, "r/p/c", options)
         assert given.dockerfile == options.dockerfiles / layer.path
         assert given.context == (options.dockerfiles if layer.shared else given.dockerfile), layer.path
+
+
+def test_each_layer_that_splits_is_built_from_a_folder_of_its_own(hardened_plan, tmp_path):
+    # Docker's CLI keys the context it syncs by its folder and the Dockerfile's name: two layers built side by
+    # side from the one root folder (`--file <layer>/Dockerfile`) once read each other's Dockerfile (a 3.2.2
+    # Paddle layer ran 3.3.1's pip install). So each gets a folder of its own for the build, then it goes.
+    from imagebuild.build.scheduler import BuildOptions, DockerLayerBuilder, layer_inputs, own_context
+    from imagebuild.core.report import LayerRecord
+
+    root = tmp_path / "dockerfiles"
+    write_tree(root, hardened_plan.rendered_files())
+    options = BuildOptions(dockerfiles=root, workdir=tmp_path / "work")
+    builder = DockerLayerBuilder.__new__(DockerLayerBuilder)
+    builder.docker = "docker"
+    folders = []
+    with contextlib.ExitStack() as stack:
+        for layer in split_layers(hardened_plan):
+            rec = LayerRecord(key=layer.key, kind=layer.kind, path=layer.path, image="r/p/c:t", base_digest="sha256:0")
+            given = stack.enter_context(own_context(layer, layer_inputs(layer, rec, "r/p/c", options), options))
+            assert given.context == given.dockerfile != root and given.context.parent == options.workdir / "contexts"
+            assert sorted(p.name for p in given.context.iterdir()) == ["Dockerfile", "layersplit.py"]
+            assert (given.context / "Dockerfile").read_text() == layer.dockerfile
+            assert (given.context / "layersplit.py").read_text() == dict(layer.shared)["layersplit.py"]
+            command = builder.command(given, rec)
+            assert "--file" not in command and command[-1] == str(given.context)
+            folders.append(given.context)
+        assert len(set(folders)) == len(folders) > 1
+    assert not any(folder.exists() for folder in folders), "each build's folder goes with it"
+    other = next(layer for layer in hardened_plan.layers.values() if not layer.shared)
+    rec = LayerRecord(key=other.key, kind=other.kind, path=other.path, image="r/p/c:t", base_digest="sha256:0")
+    with own_context(other, layer_inputs(other, rec, "r/p/c", options), options) as given:
+        assert given.context == root / other.path  # its own folder already
 
 
 def test_one_part_renders_the_one_layer_install(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from imagebuild.build.plan import Layer
-from imagebuild.build.scheduler import BuildOptions, LayerResult, _tail, layer_inputs
+from imagebuild.build.scheduler import BuildOptions, LayerInputs, LayerResult, _tail, layer_inputs, own_context
 from imagebuild.config.builders import BuilderSpec
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.core.report import LayerRecord
@@ -139,9 +139,9 @@ class BuildKitLayerBuilder:
     def stopping(self) -> bool:
         return self.cancelled.is_set() or cancel_requested()
 
-    def command(self, layer: Layer, rec: LayerRecord, metadata: Path) -> list[str]:
+    def command(self, layer: Layer, rec: LayerRecord, metadata: Path, given: LayerInputs | None = None) -> list[str]:
         """`buildctl build` of the layer's Dockerfile frontend: the same inputs as `docker build` gets."""
-        given = layer_inputs(layer, rec, self.cache_ref, self.options)
+        given = given or layer_inputs(layer, rec, self.cache_ref, self.options)
         args = ["build", "--progress=plain", "--frontend", "dockerfile.v0",
                 "--local", f"context={given.context}", "--local", f"dockerfile={given.dockerfile}",
                 "--opt", f"platform={given.platform}"]
@@ -170,8 +170,10 @@ class BuildKitLayerBuilder:
         metadata.unlink(missing_ok=True)
         started = time.monotonic()
         # The allowlisted environment only (inherit=False): the matrix's run steps are its author's shell.
-        result = self.buildctl.runner.run(self.command(layer, rec, metadata), secrets=self.options.secret_values,
-                                          log=log, timeout=self.options.layer_timeout_s, inherit=False)
+        with own_context(layer, layer_inputs(layer, rec, self.cache_ref, self.options), self.options) as given:
+            result = self.buildctl.runner.run(self.command(layer, rec, metadata, given),
+                                              secrets=self.options.secret_values, log=log,
+                                              timeout=self.options.layer_timeout_s, inherit=False)
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}  # the push is the daemon's, inside it
         rec.pushed_by = f"buildkit ({self.name})"
         if self.stopping:

@@ -14,6 +14,7 @@ import contextlib
 import datetime as dt
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -466,6 +467,31 @@ def layer_inputs(layer: Layer, rec: LayerRecord, cache_ref: str, options: BuildO
                        context=options.contexts.get(layer.key, context), dockerfile=folder)
 
 
+@contextlib.contextmanager
+def own_context(layer: Layer, given: LayerInputs, options: BuildOptions) -> Iterator[LayerInputs]:
+    """A layer that reads files at the root of dockerfiles/ (Layer.shared) is built from a folder of its own,
+    made for this build: its Dockerfile folder's files beside those shared files. Docker's CLI keys the context
+    it syncs into the daemon by the context folder and the Dockerfile's name, so two layers built side by side
+    from the one root folder (each `--file .../Dockerfile`) could each read the other's Dockerfile."""
+    if not layer.shared or given.context != options.dockerfiles:
+        yield given
+        return
+    root = options.workdir / "contexts"
+    root.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"{layer.kind}-{layer.key[:12]}-", dir=root))
+    try:
+        shutil.copytree(given.dockerfile, folder, dirs_exist_ok=True, symlinks=True)
+        for name, _ in layer.shared:
+            if (folder / name).exists():
+                raise InputError(str(given.dockerfile / name), None, name,
+                                 f"the layer's folder holds a file named like the shared {options.dockerfiles / name}")
+            shutil.copy2(options.dockerfiles / name, folder / name)
+        yield LayerInputs(platform=given.platform, build_args=given.build_args, labels=given.labels,
+                          secrets=given.secrets, context=folder, dockerfile=folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class DockerLayerBuilder:
     """`docker build` on BuildKit FROM the parent's digest, then the push to the cache repository
     (publish.Pusher). Made when the first layer is due: it needs the docker CLI."""
@@ -487,9 +513,7 @@ class DockerLayerBuilder:
     def stopping(self) -> bool:
         return self.cancelled.is_set() or cancel_requested()
 
-    def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:
-        given = layer_inputs(layer, rec, self.cache_ref, self.options)
-        started = time.monotonic()
+    def command(self, given: LayerInputs, rec: LayerRecord) -> list[str]:
         cmd = [self.docker, "build", "--progress=plain", "--platform", given.platform, "-t", rec.image]
         for name, value in given.labels.items():
             cmd += ["--label", f"{name}={value}"]
@@ -500,8 +524,13 @@ class DockerLayerBuilder:
         if given.context != given.dockerfile:
             cmd += ["--file", str(given.dockerfile / "Dockerfile")]
         cmd.append(str(given.context))
-        result = run_docker_build(self.runner, cmd, secrets=self.options.secret_values, log=log,
-                                  timeout=self.options.layer_timeout_s)
+        return cmd
+
+    def build(self, layer: Layer, rec: LayerRecord, log: Path) -> LayerResult:
+        started = time.monotonic()
+        with own_context(layer, layer_inputs(layer, rec, self.cache_ref, self.options), self.options) as given:
+            result = run_docker_build(self.runner, self.command(given, rec), secrets=self.options.secret_values,
+                                      log=log, timeout=self.options.layer_timeout_s)
         rec.steps = {"build_s": round(time.monotonic() - started, 1)}
         if result.timed_out:
             return LayerResult.failed(f"timed out after {self.options.layer_timeout_s:g} s")
