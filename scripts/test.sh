@@ -3,6 +3,9 @@
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# What earlier runs left (their registry repositories and images) goes first: the suite writes
+# some 20 GB, and a full disk fails it. bootstrap then starts the registries it stopped.
+scripts/reclaim-test-space.sh
 scripts/bootstrap.sh
 # The tools only the tests need (buildkitd, buildctl, kube-apiserver, etcd, kubectl, policy-controller's tester): bootstrap
 # started their build in the background; this waits for it, or builds what is missing.
