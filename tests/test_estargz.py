@@ -167,7 +167,7 @@ def test_the_footer_is_51_bytes_an_empty_gzip_member_naming_the_tocs_offset():
     offset = estargz.parse_footer(tail)
     assert tail == estargz.footer(offset)
     assert member_at(blob, offset)[:512].startswith(estargz.TOC_NAME.encode())
-    with pytest.raises(estargz.EstargzError):
+    with pytest.raises(estargz.EstargzError, match="no eStargz footer"):
         estargz.parse_footer(gzip.compress(b"x")[-estargz.FOOTER_SIZE:].rjust(estargz.FOOTER_SIZE, b"\0"))
 
 
@@ -265,7 +265,7 @@ def test_a_name_that_is_not_utf8_is_refused():
 
 
 def test_a_truncated_tar_is_refused():
-    with pytest.raises(estargz.EstargzError):
+    with pytest.raises(estargz.EstargzError, match="malformed tar: unexpected end of data"):
         convert(layer_tar()[:5 * MiB])
 
 

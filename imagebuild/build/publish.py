@@ -58,7 +58,7 @@ from typing import IO, Any
 from imagebuild.build import startup
 from imagebuild.build.layerstore import EngineStorage, StorageUnreadable
 from imagebuild.core.errors import ImagebuildError
-from imagebuild.oci import estargz, names
+from imagebuild.oci import estargz, names, platforms
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
 from imagebuild.oci.compression import DEFAULT as GZIP
 from imagebuild.oci.compression import (  # noqa: F401 (DOCKER_*, OCI_*: publish's own names for them)
@@ -495,15 +495,25 @@ class _Lent:
 
 
 def _parent_blobs(registry: Registry, parent: ImageRef | None, target: ImageRef,
-                  compression: Compression = GZIP) -> _Lent:
+                  compression: Compression = GZIP, platform: str | None = None) -> _Lent:
     """What the parent image already has in the target's registry (nothing when elsewhere): its own
-    blobs when compressed as wanted, else (zstd over a gzip parent) its zstd twin's."""
+    blobs when compressed as wanted, else (zstd over a gzip parent) its zstd twin's. A multi-platform
+    parent (an index) lends its `platform` child's blobs."""
     if parent is None or parent.registry != target.registry or not parent.digest:
         return _Lent()
     raw, media_type, _ = registry.get_manifest(parent.repository, parent.digest)
     manifest = json.loads(raw)
     if manifest.get("mediaType", media_type) not in (DOCKER_MANIFEST, OCI_MANIFEST):
-        return _Lent()  # an index (multi-platform base): its layers are compressed here instead
+        child = None
+        if platform is not None:
+            try:
+                child = platforms.platform_digest(registry, parent.repository, parent.digest, platform)
+            except RegistryError:
+                child = None
+        if child is None:  # no child for this platform: its layers are compressed here instead
+            return _Lent(notes=[f"the parent {parent} has no {platform or 'known platform'} image to lend"])
+        raw, media_type, _ = registry.get_manifest(parent.repository, child)
+        manifest = json.loads(raw)
     config_digest = manifest["config"]["digest"]
     config_raw = registry.get_blob(parent.repository, config_digest)
     config = json.loads(config_raw)
@@ -520,6 +530,12 @@ def _parent_blobs(registry: Registry, parent: ImageRef | None, target: ImageRef,
                                                                Descriptor(DOCKER_CONFIG, config_digest,
                                                                           len(config_raw)), diff_ids),
                       blobs, compression)
+
+
+def _engine_platform(info: dict[str, Any]) -> str:
+    """os/architecture[/variant] of an image as the engine's inspect says it."""
+    parts = [str(info.get("Os") or "linux"), str(info.get("Architecture") or "amd64")]
+    return "/".join(parts + ([str(info["Variant"])] if info.get("Variant") else []))
 
 
 def _zstd_twin(registry: Registry, repository: str, wanted: _TwinWanted, blobs: dict[str, Descriptor],
@@ -638,7 +654,8 @@ def publish(image: str, target: ImageRef, parent: ImageRef | None = None, *, spo
         if event_hooks:
             registry.client.event_hooks = event_hooks
         # eStargz: a parent's blobs are plain gzip, and every layer is written again.
-        lent = _Lent() if compression.is_estargz else _parent_blobs(registry, parent, target, compression)
+        lent = _Lent() if compression.is_estargz else _parent_blobs(registry, parent, target, compression,
+                                                                    _engine_platform(info))
         reused = lent.blobs
         notes.extend(lent.notes)
         needed = [d for d in dict.fromkeys(diff_ids) if d not in reused]

@@ -36,6 +36,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
+from imagebuild.core.errors import ImagebuildError
+
 TOC_NAME = "stargz.index.json"
 PREFETCH_LANDMARK = ".prefetch.landmark"
 NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
@@ -59,7 +61,7 @@ class Sink(Protocol):
     def write(self, data: bytes, /) -> int: ...
 
 
-class EstargzError(ValueError):
+class EstargzError(ImagebuildError, ValueError):
     """The layer tar cannot be written as eStargz (a kind of entry the format has no word for, a
     malformed tar); the message says which entry."""
 

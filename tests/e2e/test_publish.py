@@ -41,9 +41,10 @@ from imagebuild.build.publish import (
     twin_tag,
 )
 from imagebuild.core.runner import docker_cli
-from imagebuild.oci.client import ImageRef
+from imagebuild.oci.client import INDEX_TYPES, ImageRef, Registry
 from imagebuild.oci.compression import DEFAULT as GZIP
 from imagebuild.oci.compression import Compression
+from imagebuild.oci.platforms import platform_digest
 
 from .conftest import STAGING, unique
 
@@ -73,15 +74,26 @@ def _uploads(counter: list[str]):
     return {"request": [hook]}
 
 
-def _base(engine) -> ImageRef:
+def _base(engine, child: bool = False) -> ImageRef:
     """The base the test images are built FROM, by the digest the engine pulled it at (the tag may
-    have moved on in the registry since)."""
-    try:
-        image = engine.images.get(BASE)
-    except docker.errors.ImageNotFound:  # an engine pruned since bootstrap: the registry has it
-        image = engine.images.pull(BASE)
-    digests = image.attrs["RepoDigests"]
-    digest = next(d.split("@", 1)[1] for d in digests if d.startswith(BASE.rsplit(":", 1)[0] + "@"))
+    have moved on in the registry since): the multi-platform index's, as a build report names it, or
+    (`child`) this machine's image in it. Found by this machine's architecture, not by the engine's
+    tag, and not by the order of its RepoDigests (the index's and the child's both appear there)."""
+    architecture = engine.info()["Architecture"]
+    architecture = {"x86_64": "amd64", "aarch64": "arm64"}.get(architecture, architecture)
+    repository = BASE.rsplit(":", 1)[0]
+    images = [image for image in engine.images.list(name=repository)
+              if image.attrs.get("Architecture") == architecture]
+    if not images:  # an engine pruned since bootstrap: the registry has it
+        images = [engine.images.pull(BASE, platform=f"linux/{architecture}")]
+    pulled = {d.split("@", 1)[1] for d in images[0].attrs["RepoDigests"] if d.startswith(repository + "@")}
+    path = ImageRef.parse(BASE).repository
+    with Registry(STAGING) as registry:
+        [index] = [d for d in sorted(pulled) if registry.get_manifest(path, d)[1] in INDEX_TYPES]
+        if not child:
+            return ImageRef.parse(f"{BASE}@{index}")
+        digest = platform_digest(registry, path, index, f"linux/{architecture}")
+    assert digest is not None
     return ImageRef.parse(f"{BASE}@{digest}")
 
 
@@ -128,10 +140,12 @@ def test_a_pushed_image_is_pulled_by_docker_under_the_registrys_manifest_digest(
     assert out.strip() and len(out.strip()) == 32
 
 
-def test_layers_the_registry_has_are_not_uploaded_again(engine, tmp_path, repository, parent_image):
+@pytest.mark.parametrize("base_by", ["index", "child"])
+def test_layers_the_registry_has_are_not_uploaded_again(engine, tmp_path, repository, parent_image, base_by):
     uploads: list[str] = []
-    parent = publish(parent_image, ImageRef.parse(parent_image), _base(engine), spool=tmp_path,
-                     event_hooks=_uploads(uploads))
+    # A multi-platform base named by its index lends the layers of this platform's image in it.
+    parent = publish(parent_image, ImageRef.parse(parent_image), _base(engine, child=base_by == "child"),
+                     spool=tmp_path, event_hooks=_uploads(uploads))
     assert len(uploads) == parent.uploaded == 3  # its two layers and its config; the base is mounted
 
     ref = ImageRef.parse(parent_image)
@@ -484,7 +498,6 @@ def test_docker_20_10_runs_a_zstd_image_by_digest_where_it_holds_its_config_and_
 
 def test_a_zstd_image_and_its_blobs_are_copied_into_a_region_registry_as_they_are(engine, tmp_path, repository,
                                                                                   zstd_child):
-    from imagebuild.oci.client import Registry
     from imagebuild.oci.copy import copy_image
 
     from .conftest import REGIONS
