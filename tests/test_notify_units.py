@@ -280,6 +280,26 @@ def test_a_drain_that_finds_a_send_reporting_its_failure_waits_for_that_report()
     assert seen == ["environment variable UNSET_NOTIFY_URL (its URL) is not set"]
 
 
+def test_each_sends_http_connections_are_closed_with_its_client():
+    # The client closes the retrying transport, which closes the deadline wrapper, which must close the
+    # pool under it: otherwise every notification leaves its connections open until the process ends.
+    import httpx
+
+    from imagebuild.notify.send import _Send, _WithinDeadline
+
+    class Pool(httpx.BaseTransport):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    pool = Pool()
+    send = _Send(kind="rollout.halted", target=NotifyTarget(url="https://127.0.0.1:9/x"), deadline=0.0,
+                 on_failure=None)
+    _WithinDeadline(pool, send, time.monotonic).close()
+    assert pool.closed
+
+
 def test_an_unset_variable_or_unreadable_ca_file_is_a_failed_send_not_an_exception(tmp_path):
     failures = Failures()
     notifier = Notifier((NotifyTarget(url=None, url_env="SLACK_WEBHOOK_URL"),

@@ -36,11 +36,6 @@ def policy_for(target: NotifyTarget) -> RetryPolicy:
                        max_retry_after_s=target.timeout_s)
 
 
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def host_of(url: str) -> str:
     return urllib.parse.urlsplit(url).netloc or "?"
 
@@ -94,6 +89,9 @@ class _WithinDeadline(httpx.BaseTransport):
         except httpx.TransportError as exc:
             self.send.last_error = type(exc).__name__
             raise
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class Notifier:
