@@ -504,12 +504,10 @@ def _parent_blobs(registry: Registry, parent: ImageRef | None, target: ImageRef,
     raw, media_type, _ = registry.get_manifest(parent.repository, parent.digest)
     manifest = json.loads(raw)
     if manifest.get("mediaType", media_type) not in (DOCKER_MANIFEST, OCI_MANIFEST):
-        child = None
-        if platform is not None:
-            try:
-                child = platforms.platform_digest(registry, parent.repository, parent.digest, platform)
-            except RegistryError:
-                child = None
+        try:  # the index read once; what the child lends is keyed by its own config's diff_ids
+            child = platforms.listed_child(raw, platform) if platform is not None else None
+        except platforms.BadIndex:
+            child = None
         if child is None:  # no child for this platform: its layers are compressed here instead
             return _Lent(notes=[f"the parent {parent} has no {platform or 'known platform'} image to lend"])
         raw, media_type, _ = registry.get_manifest(parent.repository, child)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -486,8 +486,7 @@ def own_context(layer: Layer, given: LayerInputs, options: BuildOptions) -> Iter
                 raise InputError(str(given.dockerfile / name), None, name,
                                  f"the layer's folder holds a file named like the shared {options.dockerfiles / name}")
             shutil.copy2(options.dockerfiles / name, folder / name)
-        yield LayerInputs(platform=given.platform, build_args=given.build_args, labels=given.labels,
-                          secrets=given.secrets, context=folder, dockerfile=folder)
+        yield replace(given, context=folder, dockerfile=folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

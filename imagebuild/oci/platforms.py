@@ -129,6 +129,14 @@ def index_children(raw: bytes, max_children: int = MAX_CHILDREN) -> tuple[Child,
     return tuple(children.values())
 
 
+def listed_child(raw: bytes, platform: str) -> str | None:
+    """The digest of the image an index lists for `platform` (pure; index_children's checks, BadIndex when
+    they fail); None when it lists none for that platform."""
+    wanted = Platform.parse(platform)
+    return next((child.digest for child in index_children(raw)
+                 if wanted.matches(Platform.parse(child.platform).descriptor())), None)
+
+
 def child_for(registry: Registry, repository: str, digest: str, platform: str) -> Child:
     """`repository@digest` as the `platform` child of an index, after checking that its config says so."""
     raw, media_type, actual = registry.get_manifest(repository, digest)

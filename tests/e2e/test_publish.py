@@ -76,8 +76,8 @@ def _uploads(counter: list[str]):
 
 def _base(engine, child: bool = False) -> ImageRef:
     """The base the test images are built FROM, by the digest the engine pulled it at (the tag may
-    have moved on in the registry since): the multi-platform index's, as a build report names it, or
-    (`child`) this machine's image in it. Found by this machine's architecture, not by the engine's
+    have moved on in the registry since): the multi-platform index's, as a matrix that pins the base by
+    its index digest names it, or (`child`) this machine's image in it, as a resolved tag names it. Found by this machine's architecture, not by the engine's
     tag, and not by the order of its RepoDigests (the index's and the child's both appear there)."""
     architecture = engine.info()["Architecture"]
     architecture = {"x86_64": "amd64", "aarch64": "arm64"}.get(architecture, architecture)
