@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from imagebuild.checks.engine_load import EngineLoadError, engine_reads_zstd, load_from_registry
 from imagebuild.checks.smoke import (
     DEFAULT_EMULATION_FACTOR,
     Expectations,
@@ -53,6 +54,7 @@ from imagebuild.core.report import BuildReport, SmokeStage, StageStatus, Variant
 from imagebuild.core.runner import Runner, ToolMissing, uninterrupted
 from imagebuild.core.source import InputError
 from imagebuild.oci import reference
+from imagebuild.oci.client import ImageRef
 
 SUITE_DIR = Path(__file__).resolve().parents[2] / "smoke_tests"
 
@@ -231,6 +233,7 @@ class SmokeRunner:
         self.suite = suite.resolve()
         self.gpu_host = options.gpus == "all" or (options.gpus == "auto" and host_has_gpu())
         self.host_machine = host_platform.machine()
+        self._reads_zstd: bool | None = None
 
     def platform_of(self, target: Target) -> PlatformExpect | None:
         """How `target` runs here: natively, or under emulation with its time limits scaled."""
@@ -255,8 +258,9 @@ class SmokeRunner:
     def pull(self, ref: str, platform: str | None = None) -> tuple[Any, float]:
         """The image and the seconds spent pulling it (a child of an index: by its digest, for its `platform`).
 
-        By digest, the engine's copy is the same bytes, so it is used when there. By tag, the
-        registry is asked first (a local tag may be stale); an image only this engine has
+        By digest, the engine's copy is the same bytes, so it is used when there; a zstd image an
+        engine cannot decompress is loaded from the registry's blobs first (engine_load). By tag,
+        the registry is asked first (a local tag may be stale); an image only this engine has
         (never pushed) is used as it is.
         """
         import docker.errors
@@ -271,17 +275,44 @@ class SmokeRunner:
             try:
                 return self.client.images.get(ref), 0.0
             except docker.errors.ImageNotFound:
+                if not self.engine_reads_zstd():
+                    self.load_zstd(ref)
                 # The name as written (the engine applies Docker's defaults itself), without the tag.
-                self.client.images.pull(parts.name, tag=parts.digest, platform=platform)
+                self._pull(parts.name, parts.digest, platform)
         else:
             try:
-                self.client.images.pull(ref)
-            except docker.errors.APIError as exc:
+                self._pull(parts.name, parts.tag or "latest", None)
+            except docker.errors.DockerException as exc:
                 try:
                     return self.client.images.get(ref), 0.0
                 except docker.errors.ImageNotFound:
                     raise exc from None
         return self.client.images.get(ref), round(time.monotonic() - started, 1)
+
+    def _pull(self, name: str, tag: str, platform: str | None) -> None:
+        """The engine's pull, its own error raised: the SDK's images.pull reads past an error in the
+        progress stream, and the image it then asks for is "not found", which says nothing."""
+        import docker.errors
+
+        for event in self.client.api.pull(name, tag=tag, platform=platform, stream=True, decode=True):
+            if "error" in event or "errorDetail" in event:
+                detail = (event.get("errorDetail") or {}).get("message") or event.get("error")
+                raise docker.errors.APIError(f"pull of {name}{'@' if ':' in tag else ':'}{tag}: {detail}")
+
+    def engine_reads_zstd(self) -> bool:
+        if self._reads_zstd is None:
+            self._reads_zstd = engine_reads_zstd(str(self.client.version().get("Version", "")))
+        return self._reads_zstd
+
+    def load_zstd(self, ref: str) -> None:
+        """An image with zstd layers into this engine from the registry (engine_load); as a
+        DockerException, so that callers record "cannot get the image" with the reason."""
+        import docker.errors
+
+        try:
+            load_from_registry(self.client, ImageRef.parse(ref))
+        except (EngineLoadError, ValueError) as exc:
+            raise docker.errors.DockerException(str(exc)) from None
 
     def execute(self, name: str, image: Any, target: Target, expectations: Expectations,
                 extras: tuple[str, ...] = (), previous: SmokeStage | None = None,
