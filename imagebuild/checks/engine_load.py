@@ -135,11 +135,15 @@ def fetch_layers(registry: Registry, repository: str, manifest: dict[str, Any], 
 def load_from_registry(client: Any, ref: ImageRef, spool_parent: Path | None = None) -> str | None:
     """Put the image `ref` (by digest) names into the engine `client` from its registry blobs when it
     has zstd layers; the image id (its config digest) the engine now holds, or None when it has no zstd
-    layer (the engine's own pull reads it). EngineLoadError when the registry's image does not check out."""
+    layer or the registry has no such manifest (the engine's own pull then reads it, or says so).
+    EngineLoadError when the registry's image does not check out."""
     assert ref.digest is not None
     try:
         with Registry(ref.registry) as registry:
-            raw, media_type, _ = registry.get_manifest(ref.repository, ref.digest)
+            found = registry.find_manifest(ref.repository, ref.digest)
+            if found is None:
+                return None  # the engine's own pull says "not found", as for any image
+            raw, media_type, _ = found
             manifest = json.loads(raw)
             if media_type not in IMAGE_MANIFESTS or not isinstance(manifest, dict) or not has_zstd_layers(manifest):
                 return None

@@ -275,10 +275,7 @@ class SmokeRunner:
             try:
                 return self.client.images.get(ref), 0.0
             except docker.errors.ImageNotFound:
-                if not self.engine_reads_zstd():
-                    self.load_zstd(ref)
-                # The name as written (the engine applies Docker's defaults itself), without the tag.
-                self._pull(parts.name, parts.digest, platform)
+                self.pull_from_registry(ref, platform)
         else:
             try:
                 self._pull(parts.name, parts.tag or "latest", None)
@@ -288,6 +285,16 @@ class SmokeRunner:
                 except docker.errors.ImageNotFound:
                     raise exc from None
         return self.client.images.get(ref), round(time.monotonic() - started, 1)
+
+    def pull_from_registry(self, ref: str, platform: str | None = None) -> None:
+        """The image `ref` (by digest) names, from its registry even where the engine has it (layers
+        it has are not fetched again); a zstd image an engine cannot decompress is loaded first."""
+        parts = reference.split(ref)
+        assert parts.digest is not None
+        if not self.engine_reads_zstd():
+            self.load_zstd(ref)
+        # The name as written (the engine applies Docker's defaults itself), without the tag.
+        self._pull(parts.name, parts.digest, platform)
 
     def _pull(self, name: str, tag: str, platform: str | None) -> None:
         """The engine's pull, its own error raised: the SDK's images.pull reads past an error in the

@@ -509,25 +509,21 @@ def _run_smoke(spec: SmokeGate, ctx: GateContext) -> Check:
         return GateOutcome.FAILED, f"{where}: {exc}", None
     if parts.digest is None:
         return GateOutcome.FAILED, f"{where}: smoke needs a digest reference, got {ctx.image}", None
-    repository, digest = parts.name, parts.digest
     workdir = (ctx.workdir or Path(".imagebuild/rollout")) / "smoke"
     try:
         client = smoke_run.docker_client()
     except ToolMissing as exc:
         return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
     try:
-        # Always from the region's registry, even when the engine has the image: the gate proves
-        # the region serves it (layers the engine has are not downloaded again).
-        client.images.pull(repository, tag=digest)
         options = smoke_run.RunOptions(timeout_s=SMOKE_TIMEOUT_S, tier=spec.tier,
                                        cpus=min(4.0, float(os.cpu_count() or 1)))
         harness = smoke_run.ensure_harness(workdir / ".harness")
         out = workdir / re.sub(r"[^a-z0-9-]", "_", ctx.region.name)
-
-        def make_runner() -> smoke_run.SmokeRunner:
-            return smoke_run.SmokeRunner(client, options, out, harness)
-
-        results = smoke_run.run_images((ctx.image,), None, make_runner)
+        runner = smoke_run.SmokeRunner(client, options, out, harness)
+        # Always from the region's registry, even when the engine has the image: the gate proves
+        # the region serves it (layers the engine has are not downloaded again).
+        runner.pull_from_registry(ctx.image)
+        results = smoke_run.run_images((ctx.image,), None, lambda: runner)
     except ToolMissing as exc:  # pytest for the containers could not be installed
         return GateOutcome.FAILED, f"{where}: {exc}", UNREACHABLE_RETRY_S
     except docker.errors.NotFound as exc:
