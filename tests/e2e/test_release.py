@@ -230,8 +230,9 @@ def release_cpu_variant(tmp_path: Path, trivy_db: Path, cosign_keys: dict, compr
 
 def test_a_zstd_variant_goes_through_every_stage_and_is_pushed_signed_with_zstd_layers(
         built_example, trivy, trivy_db, cosign, cosign_keys, tmp_path):
-    """The whole chain on a zstd release (`compression: zstd`): smoke runs it on this Docker 20.10 engine, which
-    holds its config; Trivy scans and cosign signs the zstd digest; what is pushed verifies and has zstd layers."""
+    """The whole chain on a zstd release (`compression: zstd`): smoke runs it on this Docker 20.10 engine (from
+    its config when the engine holds it, else from the zstd layers smoke loads); Trivy scans and cosign signs the
+    zstd digest; what is pushed verifies and has zstd layers."""
     variant, manifest = release_cpu_variant(tmp_path, trivy_db, cosign_keys, "zstd")
     assert variant["compression"] == "zstd:3"
     assert {layer["mediaType"] for layer in manifest["layers"]} == {"application/vnd.oci.image.layer.v1.tar+zstd"}
