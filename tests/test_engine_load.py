@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from imagebuild.checks.engine_load import LayerFile, archive_chunks, engine_reads_zstd, has_zstd_layers
+from imagebuild.checks.engine_load import archive_chunks, engine_reads_zstd, has_zstd_layers
 from imagebuild.oci.compression import DOCKER_LAYER, OCI_LAYER_ZSTD
 
 
@@ -32,7 +32,7 @@ def test_the_archive_is_a_tar_docker_load_reads_config_and_layers_in_the_configs
     for number, size in enumerate((0, 511, 512, 70_000)):  # block boundaries: none, one short, exact, several
         path = tmp_path / f"{number}.tar"
         path.write_bytes(bytes([number + 1]) * size)
-        layers.append(LayerFile(path, size))
+        layers.append(path)
     raw = b"".join(archive_chunks(digest, config, layers))
     assert len(raw) % tarfile.BLOCKSIZE == 0
     with tarfile.open(fileobj=io.BytesIO(raw)) as archive:
@@ -42,5 +42,5 @@ def test_the_archive_is_a_tar_docker_load_reads_config_and_layers_in_the_configs
                          "Layers": ["0/layer.tar", "1/layer.tar", "2/layer.tar", "3/layer.tar"]}
         assert archive.extractfile(entry["Config"]).read() == config
         for layer, name in zip(layers, entry["Layers"]):
-            assert archive.extractfile(name).read() == layer.path.read_bytes()
+            assert archive.extractfile(name).read() == layer.read_bytes()
     assert names == ["manifest.json", entry["Config"], *entry["Layers"]]

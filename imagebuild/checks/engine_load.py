@@ -13,23 +13,20 @@ read up to its descriptor's size, and nothing reaches the engine before every la
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import tarfile
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from imagebuild.core.errors import ImagebuildError
 from imagebuild.oci.client import ImageRef, Registry, RegistryError
-from imagebuild.oci.compression import DOCKER_LAYER, OCI_LAYER_GZIP, OCI_LAYER_ZSTD
+from imagebuild.oci.compression import DOCKER_MANIFEST, LAYER_MEDIA_TYPES, OCI_LAYER_ZSTD, OCI_MANIFEST
+from imagebuild.oci.layer_read import LayerReadError, read_layer
 
 ZSTD_SINCE_MAJOR = 23  # Docker Engine 23.0 is the first to decompress zstd layers
 CHUNK = 1 << 20
-IMAGE_MANIFESTS = ("application/vnd.docker.distribution.manifest.v2+json",
-                   "application/vnd.oci.image.manifest.v1+json")
 
 
 class EngineLoadError(ImagebuildError):
@@ -43,33 +40,27 @@ def engine_reads_zstd(version: str) -> bool:
     return not major.isdigit() or int(major) >= ZSTD_SINCE_MAJOR
 
 
-@dataclass(frozen=True)
-class LayerFile:
-    """One layer as the archive carries it: a tar, or a gzip tar (the engine decompresses gzip)."""
-
-    path: Path
-    size: int
-
-
 def has_zstd_layers(manifest: dict[str, Any]) -> bool:
     return any(isinstance(layer, dict) and layer.get("mediaType") == OCI_LAYER_ZSTD
                for layer in manifest.get("layers") or [])
 
 
-def archive_chunks(config_digest: str, config: bytes, layers: list[LayerFile]) -> Iterator[bytes]:
-    """A `docker load` archive (manifest.json, the config, one tar per layer), streamed: each layer is
-    read from its file as the engine takes it, so nothing but the layer files is written to disk."""
+def archive_chunks(config_digest: str, config: bytes, layers: list[Path]) -> Iterator[bytes]:
+    """A `docker load` archive (manifest.json, the config, one tar per layer file: a tar, or a gzip tar,
+    which the engine decompresses), streamed: each layer is read from its file as the engine takes it,
+    so nothing but the layer files is written to disk."""
     hex_id = config_digest.split(":", 1)[1]
     names = [f"{n}/layer.tar" for n in range(len(layers))]
     manifest = json.dumps([{"Config": f"{hex_id}.json", "RepoTags": [], "Layers": names}]).encode()
     yield from _member("manifest.json", manifest)
     yield from _member(f"{hex_id}.json", config)
     for name, layer in zip(names, layers):
-        yield _header(name, layer.size)
-        with layer.path.open("rb") as handle:
+        size = layer.stat().st_size
+        yield _header(name, size)
+        with layer.open("rb") as handle:
             while chunk := handle.read(CHUNK):
                 yield chunk
-        yield _padding(layer.size)
+        yield _padding(size)
     yield b"\0" * (2 * tarfile.BLOCKSIZE)
 
 
@@ -90,11 +81,9 @@ def _member(name: str, content: bytes) -> Iterator[bytes]:
 
 
 def fetch_layers(registry: Registry, repository: str, manifest: dict[str, Any], diff_ids: list[str],
-                 spool: Path) -> list[LayerFile]:
+                 spool: Path) -> list[Path]:
     """Each layer into `spool`: gzip blobs as they are, zstd blobs decompressed; every blob's bytes
     must hash to its digest within its size, and a zstd blob's tar to its diff_id."""
-    import zstandard  # only zstd images come here
-
     layers = manifest.get("layers")
     if not isinstance(layers, list) or len(layers) != len(diff_ids):
         raise EngineLoadError(f"{repository}: the manifest's layers do not match the config's "
@@ -103,36 +92,24 @@ def fetch_layers(registry: Registry, repository: str, manifest: dict[str, Any], 
     for number, (layer, diff_id) in enumerate(zip(layers, diff_ids)):
         media_type, digest, size = (layer.get("mediaType"), layer.get("digest"), layer.get("size")) \
             if isinstance(layer, dict) else (None, None, None)
-        if media_type not in (DOCKER_LAYER, OCI_LAYER_GZIP, OCI_LAYER_ZSTD) or not isinstance(digest, str) \
+        if media_type not in LAYER_MEDIA_TYPES or not isinstance(digest, str) \
                 or not isinstance(size, int) or size < 0:
             raise EngineLoadError(f"{repository}: layer {number} is not a gzip or zstd layer descriptor")
         path = spool / f"{number}.tar"
-        decompress = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True) \
-            if media_type == OCI_LAYER_ZSTD else None
-        blob, tar = hashlib.sha256(), hashlib.sha256()
-        read = written = 0
-        with registry.open_blob(repository, digest) as response, path.open("wb") as out:
+        zstd = media_type == OCI_LAYER_ZSTD
+        with path.open("wb") as out:
             try:
-                for chunk in response.iter_bytes(CHUNK):
-                    read += len(chunk)
-                    if read > size:
-                        raise EngineLoadError(f"{repository}: blob {digest} sends more than its {size} bytes")
-                    blob.update(chunk)
-                    data = decompress.decompress(chunk) if decompress is not None else chunk
-                    tar.update(data)
-                    written += out.write(data)
-            except zstandard.ZstdError as exc:
-                raise EngineLoadError(f"{repository}: blob {digest} is not zstd: {str(exc)[:120]}") from None
-        if "sha256:" + blob.hexdigest() != digest:
-            raise EngineLoadError(f"{repository}: blob {digest}'s bytes hash to sha256:{blob.hexdigest()}")
-        if decompress is not None and "sha256:" + tar.hexdigest() != diff_id:
-            raise EngineLoadError(f"{repository}: blob {digest} decompresses to sha256:{tar.hexdigest()}, "
+                tar = read_layer(registry, repository, digest, size, zstd=zstd, sink=out.write)
+            except LayerReadError as exc:
+                raise EngineLoadError(f"{repository}: {exc}") from None
+        if zstd and tar != diff_id:
+            raise EngineLoadError(f"{repository}: blob {digest} decompresses to {tar}, "
                                   f"not the config's diff_id {diff_id}")
-        files.append(LayerFile(path, written))
+        files.append(path)
     return files
 
 
-def load_from_registry(client: Any, ref: ImageRef, spool_parent: Path | None = None) -> str | None:
+def load_from_registry(client: Any, ref: ImageRef) -> str | None:
     """Put the image `ref` (by digest) names into the engine `client` from its registry blobs when it
     has zstd layers; the image id (its config digest) the engine now holds, or None when it has no zstd
     layer or the registry has no such manifest (the engine's own pull then reads it, or says so).
@@ -145,7 +122,7 @@ def load_from_registry(client: Any, ref: ImageRef, spool_parent: Path | None = N
                 return None  # the engine's own pull says "not found", as for any image
             raw, media_type, _ = found
             manifest = json.loads(raw)
-            if media_type not in IMAGE_MANIFESTS or not isinstance(manifest, dict) or not has_zstd_layers(manifest):
+            if media_type not in (DOCKER_MANIFEST, OCI_MANIFEST) or not isinstance(manifest, dict) or not has_zstd_layers(manifest):
                 return None
             descriptor = manifest.get("config")
             config_digest = descriptor.get("digest") if isinstance(descriptor, dict) else None
@@ -155,7 +132,7 @@ def load_from_registry(client: Any, ref: ImageRef, spool_parent: Path | None = N
                 return config_digest  # built here, or loaded before: the pull fetches nothing
             config = registry.get_blob(ref.repository, config_digest)
             diff_ids = _diff_ids(config, ref)
-            with tempfile.TemporaryDirectory(prefix="imagebuild-load-", dir=spool_parent) as spool:
+            with tempfile.TemporaryDirectory(prefix="imagebuild-load-") as spool:
                 layers = fetch_layers(registry, ref.repository, manifest, diff_ids, Path(spool))
                 _load(client, config_digest, config, layers, ref)
     except (RegistryError, json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -182,7 +159,7 @@ def _diff_ids(config: bytes, ref: ImageRef) -> list[str]:
     return diff_ids
 
 
-def _load(client: Any, config_digest: str, config: bytes, layers: list[LayerFile], ref: ImageRef) -> None:
+def _load(client: Any, config_digest: str, config: bytes, layers: list[Path], ref: ImageRef) -> None:
     """POST the archive; the engine's progress (quiet off) keeps the connection busy while it unpacks."""
     loaded = None
     for event in client.api.load_image(archive_chunks(config_digest, config, layers), quiet=False):

@@ -318,7 +318,7 @@ class SmokeRunner:
 
         try:
             load_from_registry(self.client, ImageRef.parse(ref))
-        except (EngineLoadError, ValueError) as exc:
+        except EngineLoadError as exc:
             raise docker.errors.DockerException(str(exc)) from None
 
     def execute(self, name: str, image: Any, target: Target, expectations: Expectations,
