@@ -56,6 +56,7 @@ MANIFEST_TYPES = ", ".join([OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_MAN
 DOCKER_HUB = reference.DOCKER_HUB
 # Distribution refuses to store a manifest over 4 MiB; nothing larger is read from a registry.
 MAX_MANIFEST_BYTES = 4 << 20
+MAX_SMALL_BLOB_BYTES = 4 << 20  # get_blob's: an image config, a signature's payload
 
 
 class RegistryError(ImagebuildError):
@@ -417,16 +418,14 @@ class Registry:
             raise self._fail(response, "HEAD blob", repository, digest)
         return int(response.headers.get("content-length", "0"))
 
-    def get_blob(self, repository: str, digest: str) -> bytes:
-        """A small blob (a config, a signature's payload) in memory, its digest verified."""
-        response = self._request("GET", self._path(repository, "blobs", digest, "GET blob"), follow_redirects=True,
-                                 repository=repository, operation="GET blob")
-        if response.status_code != 200:
-            raise self._fail(response, "GET blob", repository, digest)
-        if _digest_of(response.content, digest.split(":", 1)[0]) != digest:
+    def get_blob(self, repository: str, digest: str, max_bytes: int = MAX_SMALL_BLOB_BYTES) -> bytes:
+        """A small blob (a config, a signature's payload) in memory, its digest verified; refused while
+        it is read once the registry sends more than `max_bytes` (a hostile registry cannot make us hold more)."""
+        content = self.get_blob_limited(repository, digest, max_bytes)
+        if _digest_of(content, digest.split(":", 1)[0]) != digest:
             raise RegistryError(f"{self._where(repository, digest)}: GET blob: content does not match its digest",
                                 registry=self.registry, repository=repository, operation="GET blob")
-        return response.content
+        return content
 
     def get_blob_limited(self, repository: str, digest: str, max_bytes: int) -> bytes:
         """A blob, refused (RegistryError) once the registry sends more than max_bytes of it."""

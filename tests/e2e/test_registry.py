@@ -163,3 +163,20 @@ def test_tags_digests_and_urls_a_registry_answers_are_checked_before_they_are_us
     finally:
         server.stop()
         elsewhere.stop()
+
+
+def test_a_small_blob_is_refused_while_it_is_read_once_the_registry_sends_more_than_its_bound():
+    """A config or a signature's payload is held in memory: a registry that streams more than the bound
+    (here 64 MiB of zeros for any blob) is cut off at it, before the digest could even be checked."""
+    from imagebuild.oci.client import MAX_SMALL_BLOB_BYTES
+
+    from .hostile_registry import HostileRegistry
+
+    hostile = HostileRegistry()
+    try:
+        with Registry(f"127.0.0.1:{hostile.port}") as registry:
+            with pytest.raises(RegistryError, match=f"GET blob: larger than {MAX_SMALL_BLOB_BYTES} bytes"):
+                registry.get_blob(HostileRegistry.REPOSITORY, "sha256:" + "a" * 64)
+        assert hostile.blob_bytes_sent < HostileRegistry.BLOB
+    finally:
+        hostile.stop()
